@@ -1,0 +1,131 @@
+"""Training checkpoints for the example: model, optimizer, LR scheduler, step and RNG state.
+
+Layout of one checkpoint (``<save_dir>/step_00000100/``)::
+
+    model/              booster.save_model (sharded safetensors, HF index layout)
+    optimizer/          booster.save_optimizer (sharded for ZeRO)
+    lr_scheduler.pt     booster.save_lr_scheduler
+    rng/rank<r>.pt      torch CPU (+ CUDA) RNG state of each rank
+    trainer_state.json  step, tokens seen, world size, out_dir, seed (written last)
+
+A checkpoint is written into ``step_N.partial/`` and renamed to ``step_N/`` by rank 0 only
+after every rank finished (a barrier), then ``<save_dir>/latest`` is replaced atomically. A run
+killed mid-save therefore leaves the previous checkpoint and ``latest`` intact.
+
+The data position needs no state of its own: batches are a pure function of
+``(seed, rank, step, micro_step)`` (see ``data.TokenWindows``), so the step is the position.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest"
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def save_checkpoint(booster, model, optimizer, lr_scheduler, save_dir: Path, step: int,
+                    trainer_state: dict[str, Any], rank: int, device: torch.device) -> Path:
+    """Save everything needed to resume at ``step``; returns the final checkpoint folder.
+
+    Every rank must call this (the booster's save functions are collective for ZeRO).
+    """
+    final = save_dir / f"step_{step:08d}"
+    partial = save_dir / f"step_{step:08d}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # leftovers of a save that died
+        (partial / "rng").mkdir(parents=True, exist_ok=True)
+    _barrier()
+    booster.save_model(model, str(partial / "model"), shard=True)
+    booster.save_optimizer(optimizer, str(partial / "optimizer"), shard=True)
+    if rank == 0:
+        booster.save_lr_scheduler(lr_scheduler, str(partial / "lr_scheduler.pt"))
+    torch.save(_rng_state(device), partial / "rng" / f"rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        state = dict(trainer_state, step=step)
+        _write_atomic(partial / STATE_FILE, json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_atomic(save_dir / LATEST_FILE, final.name)
+    _barrier()
+    return final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from ``--resume``: the folder itself, or a save dir's ``latest``.
+
+    Raises:
+        ValueError: no complete checkpoint at ``path``.
+    """
+    folder = Path(path)
+    if (folder / STATE_FILE).is_file():
+        return folder
+    latest = folder / LATEST_FILE
+    if latest.is_file():
+        target = folder / latest.read_text().strip()
+        if (target / STATE_FILE).is_file():
+            return target
+    raise ValueError(f"--resume {str(path)!r} is not a complete checkpoint (no {STATE_FILE}) "
+                     f"nor a save dir with a '{LATEST_FILE}' file; pass a step_* folder "
+                     "written by --save-every")
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """The JSON trainer state of a checkpoint folder."""
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def load_checkpoint(booster, model, optimizer, lr_scheduler, ckpt: Path, rank: int,
+                    device: torch.device) -> dict[str, Any]:
+    """Load model, optimizer, scheduler and this rank's RNG state; returns the trainer state.
+
+    A rank with no RNG file (resuming into a larger world size) keeps its fresh seed and says so.
+    """
+    state = read_trainer_state(ckpt)
+    booster.load_model(model, str(ckpt / "model"))
+    booster.load_optimizer(optimizer, str(ckpt / "optimizer"))
+    booster.load_lr_scheduler(lr_scheduler, str(ckpt / "lr_scheduler.pt"))
+    rng_file = ckpt / "rng" / f"rank{rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    else:
+        print(f"[train] rank {rank}: checkpoint has no RNG state for this rank (saved with "
+              f"world size {state.get('world_size')}); keeping the fresh seed", flush=True)
+    return state
+
+
+def latest_step(save_dir: Path) -> Optional[int]:
+    """Step of the checkpoint ``latest`` points to, if any."""
+    try:
+        return read_trainer_state(resolve_checkpoint(save_dir))["step"]
+    except ValueError:
+        return None

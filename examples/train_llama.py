@@ -1,0 +1,506 @@
+"""Train a Llama causal LM with fp8boost: one flag turns a BF16 run into an FP8 run.
+
+Runs as plain python (one process, CPU or one GPU) or under torchrun (gloo on CPU, NCCL on
+GPU). The default is the ``tiny`` preset on the shipped text sample, which trains on a 2-core
+CPU in about a minute::
+
+    python examples/train_llama.py                                   # tiny, BF16, no plugin
+    python examples/train_llama.py --use-fp8                         # same, FP8 GEMMs
+    torchrun --nproc_per_node=2 examples/train_llama.py --plugin zero2 --use-fp8 --fp8-comm
+    torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
+        --use-fp8 --data ../shared/data/shakespeare.txt --save-every 200 --save-dir ckpt
+    python examples/train_llama.py --resume ckpt                     # continue from 'latest'
+
+Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``summary.json``,
+``run_config.json`` and ``loss.png`` (when matplotlib is installed). ``--plugin none`` uses
+``Booster(mixed_precision=...)``; ``ddp`` / ``zero1`` / ``zero2`` use ``TorchDDPPlugin`` /
+``LowLevelZeroPlugin(stage=1|2)``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE.parent) not in sys.path and (_HERE.parent / "fp8boost").is_dir():
+    sys.path.insert(0, str(_HERE.parent))  # run from a checkout without installing fp8boost
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import checkpointing  # noqa: E402
+import data as data_lib  # noqa: E402
+import metrics as metrics_lib  # noqa: E402
+import presets  # noqa: E402
+
+PLUGINS = ("none", "ddp", "zero1", "zero2")
+PRECISIONS = ("bf16", "fp16", "fp32")
+PRETRAINED_DEFAULTS = dict(seq_len=512, batch_size=4, lr=1e-4, steps=1000)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Command-line options; ``None`` defaults are filled from the preset."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", default="tiny", choices=list(presets.PRESETS))
+    g.add_argument("--model-path", default=None,
+                   help="local pretrained Llama folder (config.json + *.safetensors)")
+    g.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (default: the "
+                   "model folder's tokenizer if it has one, else byte-level, vocab 256)")
+    g.add_argument("--data", default=None, help="UTF-8 text file (default: shipped sample)")
+    g.add_argument("--val-fraction", type=float, default=0.05,
+                   help="last fraction of the text held out for validation")
+    g.add_argument("--seq-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("parallelism and precision")
+    g.add_argument("--plugin", default="none", choices=PLUGINS)
+    g.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    g.add_argument("--use-fp8", action="store_true", help="run linear-layer GEMMs in FP8")
+    g.add_argument("--fp8-comm", action="store_true", help="FP8 gradient/parameter communication")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=int, default=None, help="micro-batch size per rank")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--max-norm", type=float, default=1.0, help="grad-norm clip; 0 disables")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--out-dir", default=None, help="default: runs/<timestamp>")
+    g.add_argument("--eval-every", type=int, default=0, help="0: evaluate at the end only")
+    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--log-every", type=int, default=20, help="plain-print interval (no tqdm)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint interval; 0: never")
+    g.add_argument("--save-dir", default=None, help="default: <out-dir>/checkpoints")
+    g.add_argument("--resume", default=None, help="checkpoint folder, or a save dir (latest)")
+    args = p.parse_args(argv)
+    defaults = PRETRAINED_DEFAULTS if args.model_path else presets.TRAIN_DEFAULTS[args.preset]
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.steps // 20)
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Reject bad options with a ValueError naming the fix, before any work or collective."""
+    positive = {"--steps": args.steps, "--batch-size": args.batch_size,
+                "--grad-accum": args.grad_accum, "--eval-batches": args.eval_batches,
+                "--log-every": args.log_every}
+    for flag, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    nonneg = {"--warmup-steps": args.warmup_steps, "--max-norm": args.max_norm,
+              "--save-every": args.save_every, "--eval-every": args.eval_every,
+              "--weight-decay": args.weight_decay}
+    for flag, value in nonneg.items():
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if args.plugin == "none" and world_size > 1:
+        raise ValueError(f"--plugin none trains in one process but WORLD_SIZE={world_size}; "
+                         "use --plugin ddp, zero1 or zero2 under torchrun")
+    if args.plugin == "none" and args.fp8_comm:
+        raise ValueError("--fp8-comm needs a distributed plugin: add --plugin ddp|zero1|zero2")
+    if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":
+        raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
+                         "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
+    if args.data is not None and not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data!r} is not a file")
+    if args.model_path is not None:
+        presets.check_model_path(args.model_path)
+    if args.resume is not None:
+        checkpointing.resolve_checkpoint(args.resume)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+
+
+def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: the env:// group (NCCL on GPU, gloo on
+    CPU). As plain python with a plugin: a one-rank group, so the plugins run unchanged."""
+    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), world_size, device
+
+
+def start_process_group(world_size: int, device: torch.device) -> None:
+    """Create the default process group (idempotent); a crashed peer times out, not hangs."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=10)
+    if "MASTER_ADDR" in os.environ:  # torchrun
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    else:
+        store = os.path.join(tempfile.mkdtemp(prefix="fp8boost_pg_"), "store")
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0,
+                                world_size=world_size, timeout=timeout)
+
+
+def make_booster(args: argparse.Namespace, device: torch.device):
+    """The Booster for ``--plugin`` / ``--precision`` / ``--use-fp8`` / ``--fp8-comm``."""
+    from fp8boost.booster import Booster
+
+    if args.plugin == "none":
+        mixed = "fp8" if args.use_fp8 else {"bf16": "bf16", "fp16": "fp16", "fp32": None}[
+            args.precision]
+        return Booster(mixed_precision=mixed, device=device)
+    from fp8boost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
+
+    if args.plugin == "ddp":
+        plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm)
+        mixed = None if args.precision == "fp32" else args.precision
+        return Booster(plugin=plugin, mixed_precision=mixed, device=device)
+    plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
+                                precision=args.precision, use_fp8=args.use_fp8,
+                                fp8_communication=args.fp8_comm, max_norm=args.max_norm)
+    return Booster(plugin=plugin, device=device)
+
+
+def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int,
+                       min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to the peak lr over ``warmup`` steps, then cosine decay to
+    ``min_ratio * peak`` at step ``total``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW; no weight decay on norms and biases (1-D parameters), as usual for LLMs."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def clip_gradients(booster, model, optimizer, args: argparse.Namespace) -> Optional[float]:
+    """Clip the global grad norm to ``--max-norm``; returns the norm before clipping if known.
+
+    ZeRO plugins clip inside their optimizer step (``max_norm`` given to the plugin, across
+    shards). Otherwise the boosted optimizer's ``clip_grad_by_norm`` is used when it has one,
+    else ``torch.nn.utils.clip_grad_norm_`` (after DDP's all-reduce every rank holds the same
+    full gradients, so the local norm is the global one).
+    """
+    if args.max_norm <= 0 or args.plugin in ("zero1", "zero2"):
+        return None
+    clip = getattr(optimizer, "clip_grad_by_norm", None)
+    norm = clip(args.max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(
+        model.parameters(), args.max_norm)
+    return float(norm) if norm is not None else None
+
+
+def load_corpus(args: argparse.Namespace, seq_len: int):
+    """(tokenizer, train windows, validation windows or None)."""
+    tok_path = args.tokenizer
+    if tok_path is None and args.model_path and data_lib.has_tokenizer_files(args.model_path):
+        tok_path = args.model_path
+    tokenizer = data_lib.load_tokenizer(tok_path)
+    path = args.data if args.data is not None else data_lib.default_data_path()
+    tokens = tokenizer.encode_file(path)
+    train, val = data_lib.split_train_val(tokens, args.val_fraction, seq_len)
+    train_windows = data_lib.TokenWindows(train, seq_len, seed=args.seed)
+    # Validation uses a different seed stream so it never mirrors the training draws.
+    val_windows = data_lib.TokenWindows(val, seq_len, seed=args.seed + 1) if val is not None \
+        else None
+    return tokenizer, train_windows, val_windows
+
+
+def reduce_mean_max(values: list[float], maxima: list[float], world_size: int,
+                    device: torch.device) -> tuple[list[float], list[float]]:
+    """Mean of ``values`` and max of ``maxima`` over ranks, in one small collective."""
+    if world_size == 1:
+        return values, maxima
+    comm_device = device if device.type == "cuda" else torch.device("cpu")
+    t = torch.tensor(values + maxima, dtype=torch.float64, device=comm_device)
+    gathered = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(gathered, t)
+    stacked = torch.stack(gathered)
+    n = len(values)
+    return stacked[:, :n].mean(0).tolist(), stacked[:, n:].max(0).values.tolist()
+
+
+@torch.no_grad()
+def evaluate(model, windows, args, rank: int, world_size: int, device: torch.device) -> float:
+    """Mean validation loss over ``--eval-batches`` fixed batches per rank, across ranks."""
+    model.eval()
+    total = 0.0
+    for i in range(args.eval_batches):
+        batch = windows.batch(step=i, micro_step=0, rank=rank, batch_size=args.batch_size)
+        batch = batch.to(device, non_blocking=True)
+        total += float(model(input_ids=batch, labels=batch).loss)
+    model.train()
+    (mean,), _ = reduce_mean_max([total / args.eval_batches], [], world_size, device)
+    return mean
+
+
+def train_step(run: "Run", args: argparse.Namespace, step: int, rank: int,
+               device: torch.device) -> tuple[float, Optional[float]]:
+    """One optimizer step over ``--grad-accum`` micro-batches; returns (local loss, grad norm).
+
+    Gradients of all but the last micro-batch stay local (``booster.no_sync``): communicating
+    them once per step is what makes accumulation cheap.
+    """
+    booster, model, optimizer = run.booster, run.model, run.optimizer
+    loss_sum = 0.0
+    for micro in range(args.grad_accum):
+        batch = run.train_windows.batch(step, micro, rank, args.batch_size).to(device, non_blocking=True)
+        last = micro == args.grad_accum - 1
+        sync = contextlib.nullcontext() if last or args.plugin == "none" else \
+            booster.no_sync(model, optimizer)
+        with sync:
+            loss = model(input_ids=batch, labels=batch).loss / args.grad_accum
+            booster.backward(loss, optimizer)
+        loss_sum += float(loss.detach())
+    grad_norm = clip_gradients(booster, model, optimizer, args)
+    optimizer.step()
+    optimizer.zero_grad()
+    run.lr_scheduler.step()
+    return loss_sum, grad_norm
+
+
+def make_out_dir(args: argparse.Namespace, resume_state: Optional[dict], rank: int,
+                 world_size: int) -> Path:
+    """``--out-dir``, else the resumed run's, else ``runs/<timestamp>`` (agreed by all ranks)."""
+    if args.out_dir is not None:
+        return Path(args.out_dir)
+    if resume_state is not None and resume_state.get("out_dir"):
+        return Path(resume_state["out_dir"])
+    stamp = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
+    if world_size > 1:
+        dist.broadcast_object_list(stamp, src=0)  # ranks must not disagree by a second
+    return Path("runs") / stamp[0]
+
+
+def write_run_config(out_dir: Path, args: argparse.Namespace, world_size: int,
+                     device: torch.device, run: "Run") -> None:
+    """``run_config.json``: every option plus the environment, so a run can be reproduced."""
+    import transformers
+
+    info = dict(vars(args), world_size=world_size, device=str(device),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
+                else platform.processor() or platform.machine(),
+                torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), command=" ".join(sys.argv),
+                n_params=run.n_params, flops_per_token=run.flops_per_token,
+                date=datetime.datetime.now().isoformat(timespec="seconds"))
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    (out_dir / "run_config.json").write_text(json.dumps(info, indent=2, default=str))
+
+
+class RunLogger:
+    """Per-step metrics: JSONL records and the progress display (rank 0 only)."""
+
+    def __init__(self, out_dir: Path, args: argparse.Namespace, start_step: int, enabled: bool,
+                 flops_per_token: int, world_size: int) -> None:
+        self.writer = metrics_lib.MetricsWriter(out_dir / "metrics.jsonl", enabled=enabled)
+        self.progress = metrics_lib.Progress(args.steps, initial=start_step,
+                                             enabled=enabled and not args.no_progress,
+                                             print_every=args.log_every)
+        self.tokens_per_step = args.batch_size * args.grad_accum * args.seq_len * world_size
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.step_times: list[float] = []
+        self.losses: list[float] = []
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
+             seconds: float, mem_gib: float) -> None:
+        self.step_times.append(seconds)
+        self.losses.append(loss)
+        tok_s = self.tokens_per_step / seconds
+        tflops = self.flops_per_token * tok_s / self.world_size / 1e12
+        record = dict(kind="train", step=step, loss=loss, lr=lr, grad_norm=grad_norm,
+                      tokens=step * self.tokens_per_step, step_time_s=seconds,
+                      tokens_per_s=tok_s, tflops_per_device=tflops, peak_mem_gib=mem_gib,
+                      elapsed_s=time.perf_counter() - self.t0)
+        self.writer.write(record)
+        recent = self.step_times[-10:]
+        smooth_tok_s = self.tokens_per_step * len(recent) / sum(recent)
+        self.progress.update(step, {
+            "loss": loss, "tok/s": round(smooth_tok_s),
+            "TFLOP/s": smooth_tok_s * self.flops_per_token / self.world_size / 1e12,
+            "mem": f"{mem_gib:.2f}G"})
+
+    def eval(self, step: int, val_loss: float) -> None:
+        self.writer.write(dict(kind="eval", step=step, val_loss=val_loss))
+        self.progress.write(f"[train] step {step}: validation loss {val_loss:.4f}")
+
+    def close(self) -> None:
+        self.progress.close()
+        self.writer.close()
+
+
+def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
+              args: argparse.Namespace, start_step: int) -> dict[str, Any]:
+    """``summary.json``: first/last losses (means of 10 steps), median speed, peak memory."""
+    times = logger.step_times[1:] or logger.step_times  # step 1 pays one-off warm-up costs
+    median = statistics.median(times) if times else float("nan")
+    tok_s = logger.tokens_per_step / median if times else float("nan")
+    summary = dict(
+        steps_run=len(logger.losses), start_step=start_step, end_step=args.steps,
+        first_loss=statistics.fmean(logger.losses[:10]) if logger.losses else None,
+        last_loss=statistics.fmean(logger.losses[-10:]) if logger.losses else None,
+        val_loss=val_loss, median_step_time_s=median, tokens_per_s=tok_s,
+        tokens_per_s_per_device=tok_s / logger.world_size,
+        tflops_per_device=tok_s * logger.flops_per_token / logger.world_size / 1e12,
+        wall_time_s=time.perf_counter() - logger.t0)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything ``train`` works with, built by :func:`setup`."""
+
+    booster: Any
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    train_windows: data_lib.TokenWindows
+    val_windows: Optional[data_lib.TokenWindows]
+    resume_state: Optional[dict]
+    n_params: int
+    flops_per_token: int
+
+
+def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
+    """Data, model, optimizer, scheduler and booster, boosted and (when resuming) restored."""
+    tokenizer, train_windows, val_windows = load_corpus(args, args.seq_len)
+    max_pos = max(args.seq_len, 2048)
+    model = presets.build_model(args.preset, tokenizer.vocab_size, max_pos,
+                                model_path=args.model_path, device=device, seed=args.seed)
+    # Count before boosting: plugins may wrap the model or flatten its parameters.
+    n_params = sum(p.numel() for p in model.parameters())
+    fpt = metrics_lib.flops_per_token(metrics_lib.matmul_params(model),
+                                      model.config.num_hidden_layers, model.config.hidden_size,
+                                      args.seq_len)
+    torch.manual_seed(args.seed + rank)  # per-rank stream for anything stochastic later
+    optimizer = make_optimizer(model, args)
+    lr_scheduler = cosine_with_warmup(optimizer, args.warmup_steps, args.steps,
+                                      args.min_lr_ratio)
+    booster = make_booster(args, device)
+    model, optimizer, _, _, lr_scheduler = booster.boost(model, optimizer,
+                                                         lr_scheduler=lr_scheduler)
+    resume_state = None
+    if args.resume is not None:
+        ckpt = checkpointing.resolve_checkpoint(args.resume)
+        resume_state = checkpointing.load_checkpoint(booster, model, optimizer, lr_scheduler,
+                                                     ckpt, rank, device)
+        if resume_state["step"] >= args.steps:
+            raise ValueError(f"the checkpoint is at step {resume_state['step']}, not before "
+                             f"--steps {args.steps}; raise --steps to train further")
+    return Run(booster, model, optimizer, lr_scheduler, train_windows, val_windows,
+               resume_state, n_params, fpt)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole training; returns the summary (rank 0's view; empty on other ranks)."""
+    rank, world_size, device = init_distributed(args.device)
+    validate_args(args, world_size)
+    if world_size > 1 or args.plugin != "none":
+        start_process_group(world_size, device)
+    run = setup(args, rank, device)
+    start_step = run.resume_state["step"] if run.resume_state else 0
+    out_dir = make_out_dir(args, run.resume_state, rank, world_size)
+    save_dir = Path(args.save_dir) if args.save_dir else out_dir / "checkpoints"
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_run_config(out_dir, args, world_size, device, run)
+        print(f"[train] {run.n_params / 1e6:.2f}M params, plugin={args.plugin} "
+              f"precision={args.precision} fp8={args.use_fp8} fp8_comm={args.fp8_comm} "
+              f"world_size={world_size} device={device} start_step={start_step} "
+              f"out_dir={out_dir}", flush=True)
+    logger = RunLogger(out_dir, args, start_step, rank == 0, run.flops_per_token, world_size)
+    timer = metrics_lib.StepTimer(device)
+    run.model.train()
+    val_loss = None
+    for step in range(start_step + 1, args.steps + 1):
+        lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
+        timer.begin()
+        loss, grad_norm = train_step(run, args, step, rank, device)
+        seconds = timer.end()
+        (loss,), (seconds, mem) = reduce_mean_max(
+            [loss], [seconds, metrics_lib.peak_memory_gib(device)], world_size, device)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or use "
+                                     "--precision bf16")
+        logger.step(step, loss, grad_norm, lr, seconds, mem)
+        if run.val_windows is not None and args.eval_every and step % args.eval_every == 0:
+            val_loss = evaluate(run.model, run.val_windows, args, rank, world_size, device)
+            logger.eval(step, val_loss)
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+            state = dict(world_size=world_size, out_dir=str(out_dir), seed=args.seed,
+                         tokens=step * logger.tokens_per_step)
+            checkpointing.save_checkpoint(run.booster, run.model, run.optimizer,
+                                          run.lr_scheduler, save_dir, step, state, rank, device)
+    if run.val_windows is not None and (not args.eval_every or args.steps % args.eval_every):
+        val_loss = evaluate(run.model, run.val_windows, args, rank, world_size, device)
+        logger.eval(args.steps, val_loss)
+    logger.close()
+    return finish(logger, val_loss, out_dir, args, start_step) if rank == 0 else {}
+
+
+def finish(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
+           args: argparse.Namespace, start_step: int) -> dict[str, Any]:
+    """Rank 0: summary.json, the loss plot and a closing line."""
+    summary = summarize(logger, val_loss, out_dir, args, start_step)
+    title = f"{args.preset} {args.plugin} {'fp8' if args.use_fp8 else args.precision}"
+    png = metrics_lib.plot_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss.png", title)
+    val = f"{val_loss:.3f}" if val_loss is not None else "n/a"
+    print(f"[train] done: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
+          f"(mean of first/last 10 steps), validation {val}, "
+          f"{summary['tokens_per_s']:.0f} tokens/s, metrics in {out_dir}"
+          + (f", plot {png}" if png else ""), flush=True)
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point: ``python examples/train_llama.py [options]``."""
+    args = parse_args(argv)
+    try:
+        train(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""FP8 compute backends: who casts and who multiplies.
+
+Every backend implements the same two operations, in the "NT" form Hopper tensor cores need
+(both GEMM operands K-major, i.e. row-major with K as the last dim):
+
+  quantize(x[R,C])  -> (Fp8Tensor(data[R,C], inv_scale, data_t[C,R] if asked), amax)
+  mm(a[M,K], b[N,K]) -> a @ b.T * a_inv_scale * b_inv_scale (+ bias), in out_dtype
+
+Backends: ``emulated`` (reference; any device), ``cublas`` (``torch._scaled_mm``), ``triton``
+(fused kernels in ``fp8boost.fp8.kernels``, imported only when selected).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from .scaling import Fp8Tensor, amax, cast_to_fp8, scale_from_amax
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Emit a warning the first time ``key`` is seen in this process."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+class Fp8Backend:
+    """Base class: the reference (torch-op) quantize, subclasses supply ``mm``."""
+
+    name = "base"
+
+    def quantize(self, x: torch.Tensor, dtype: torch.dtype, *, scale: Optional[torch.Tensor] = None,
+                 margin: int = 0, power_of_2: bool = False,
+                 with_transpose: bool = False) -> tuple[Fp8Tensor, torch.Tensor]:
+        """Cast a 2-D tensor; ``scale=None`` means current scaling from this tensor's amax.
+
+        Returns the FP8 tensor and the amax of ``x`` (delayed scaling records it).
+        """
+        a = amax(x)
+        if scale is None:
+            scale = scale_from_amax(a, dtype, margin, power_of_2)
+        data = cast_to_fp8(x, scale, dtype)
+        data_t = data.t().contiguous() if with_transpose else None
+        return Fp8Tensor(data, scale.reciprocal(), data_t), a
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor,
+           b_inv_scale: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+           out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EmulatedBackend(Fp8Backend):
+    """Exact FP8 rounding, FP32 matmul of the dequantized operands. Runs anywhere."""
+
+    name = "emulated"
+
+    def mm(self, a, b, a_inv_scale, b_inv_scale, *, bias=None, out_dtype=torch.bfloat16,
+           use_fast_accum=False):
+        out = (a.float() * a_inv_scale) @ (b.float() * b_inv_scale).t()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if t.shape == (rows, cols):
+        return t
+    # fp8 tensors cannot be zero-padded by F.pad on every torch: go through uint8.
+    out = torch.zeros(rows, cols, dtype=torch.uint8, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t.view(torch.uint8)
+    return out.view(t.dtype)
+
+
+def _ceil16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+class CublasBackend(Fp8Backend):
+    """``torch._scaled_mm`` (cuBLASLt). Pads any dim that is not a multiple of 16 with zeros."""
+
+    name = "cublas"
+
+    def mm(self, a, b, a_inv_scale, b_inv_scale, *, bias=None, out_dtype=torch.bfloat16,
+           use_fast_accum=False):
+        m, k = a.shape
+        n = b.shape[0]
+        mp, kp, np_ = _ceil16(m), _ceil16(k), _ceil16(n)
+        a_p = _pad_to(a, mp, kp)
+        b_p = _pad_to(b, np_, kp)
+        fuse_bias = bias is not None and out_dtype == torch.bfloat16 and bias.dtype == out_dtype \
+            and np_ == n
+        out = torch._scaled_mm(a_p, b_p.t(), scale_a=a_inv_scale.float(),
+                               scale_b=b_inv_scale.float(), bias=bias if fuse_bias else None,
+                               out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        if (mp, np_) != (m, n):
+            out = out[:m, :n]
+        if bias is not None and not fuse_bias:
+            out = (out.float() + bias.float()).to(out_dtype)
+        return out
+
+
+_BACKENDS: dict[str, Fp8Backend] = {}
+
+
+def _triton_backend() -> Optional[Fp8Backend]:
+    try:
+        from .kernels.backend import TritonBackend  # noqa: WPS433 (lazy: imports triton)
+    except ImportError as exc:  # triton missing, or the kernels module not available
+        warn_once("triton-import", f"fp8boost: triton backend unavailable ({exc})")
+        return None
+    return TritonBackend()
+
+
+def _fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def get_backend(name: str, device: torch.device) -> Fp8Backend:
+    """Resolve a backend name for a device; ``auto`` picks the fastest that works there.
+
+    Fallbacks are never silent: each one warns once, saying why.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        if _fp8_tensor_cores(device):
+            name = "triton"
+        else:
+            why = ("no CUDA device" if device.type != "cuda" else
+                   f"GPU capability {torch.cuda.get_device_capability(device)} < sm89")
+            warn_once(f"auto-emulated-{why}",
+                      f"fp8boost: FP8 tensor cores unavailable ({why}); using the 'emulated' "
+                      "backend: FP8 numerics, no speed-up")
+            name = "emulated"
+    if name in ("triton", "cublas") and not _fp8_tensor_cores(device):
+        raise ValueError(f"backend {name!r} needs a CUDA GPU with FP8 tensor cores (sm89+), got "
+                         f"{device}; use backend='emulated' or 'auto'")
+    if name not in _BACKENDS:
+        if name == "triton":
+            backend = _triton_backend()
+            if backend is None:
+                warn_once("triton-fallback", "fp8boost: falling back to the 'cublas' backend")
+                return get_backend("cublas", device)
+        elif name == "cublas":
+            backend = CublasBackend()
+        elif name == "emulated":
+            backend = EmulatedBackend()
+        else:
+            raise ValueError(f"unknown FP8 backend {name!r}; use auto|triton|cublas|emulated")
+        _BACKENDS[name] = backend
+    return _BACKENDS[name]

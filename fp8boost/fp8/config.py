@@ -1,0 +1,137 @@
+"""FP8 training configuration: one frozen, validated object per run.
+
+A recipe is a config object, never a bag of kwargs. Named recipes are built with
+:meth:`Fp8Config.from_recipe`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+RECIPES = ("tensorwise", "delayed")
+FORMATS = ("hybrid", "e4m3")
+BACKENDS = ("auto", "triton", "cublas", "emulated")
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+    """How linear layers run their GEMMs in FP8.
+
+    Example:
+        >>> from fp8boost.fp8 import Fp8Config
+        >>> cfg = Fp8Config.from_recipe("delayed", amax_history_len=32)
+        >>> cfg.recipe, cfg.amax_history_len
+        ('delayed', 32)
+    """
+
+    recipe: str = "tensorwise"
+    """Scaling recipe. ``tensorwise``: current ("real-time") per-tensor scaling, the scale is
+    computed from the tensor being cast. ``delayed``: TE-style, the scale comes from a history of
+    past amax values (cheaper, one step stale)."""
+
+    fp8_format: str = "hybrid"
+    """``hybrid``: e4m3 for activations and weights, e5m2 for gradients (range over precision).
+    ``e4m3``: e4m3 everywhere."""
+
+    amax_history_len: int = 16
+    """Delayed scaling only: how many past amax values are kept per tensor."""
+
+    amax_compute_algo: str = "max"
+    """Delayed scaling only: ``max`` over the history, or the ``most_recent`` entry."""
+
+    margin: int = 0
+    """Scale is divided by ``2**margin``: head-room against growth between steps."""
+
+    power_of_2_scale: bool = False
+    """Round each scale down to a power of two, so scaling is exact in the mantissa."""
+
+    backend: str = "auto"
+    """``auto`` (triton on sm89+, else emulated, with a one-time warning), ``triton``,
+    ``cublas`` (``torch._scaled_mm``) or ``emulated`` (exact FP8 rounding, FP32 matmul; any
+    device, used by the CPU tests)."""
+
+    fast_accum_fprop: bool = True
+    """Fast (less precise) tensor-core accumulation in the forward GEMM."""
+
+    fast_accum_dgrad: bool = False
+    """Fast accumulation in the input-gradient GEMM (off: gradients want precision)."""
+
+    fast_accum_wgrad: bool = False
+    """Fast accumulation in the weight-gradient GEMM (off: long K = tokens)."""
+
+    cache_weight_cast: bool = True
+    """Reuse the weight's FP8 cast while the weight is unchanged (micro-batches, grad accumulation)."""
+
+    skip_module_names: tuple[str, ...] = ("lm_head",)
+    """Default filter: linear layers whose qualified name ends with one of these stay high precision."""
+
+    min_features: int = 16
+    """Default filter: layers with in or out features below this stay high precision."""
+
+    min_numel: int = 0
+    """Default filter: layers with fewer weight elements than this stay high precision (too small to gain)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("recipe", self.recipe, RECIPES)
+        _check_choice("fp8_format", self.fp8_format, FORMATS)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
+        for name in ("amax_history_len", "margin", "min_features", "min_numel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Fp8Config.{name} must be an int, got {type(value).__name__}")
+        if self.amax_history_len < 1:
+            raise ValueError(
+                f"Fp8Config.amax_history_len must be >= 1, got {self.amax_history_len}; "
+                "use 1 to scale from the last step only")
+        if self.margin < 0:
+            raise ValueError(f"Fp8Config.margin must be >= 0, got {self.margin}")
+        if self.min_features < 1 or self.min_numel < 0:
+            raise ValueError("Fp8Config.min_features must be >= 1 and min_numel >= 0")
+        if isinstance(self.skip_module_names, str) or not all(
+                isinstance(n, str) for n in self.skip_module_names):
+            raise TypeError("Fp8Config.skip_module_names must be a tuple of str, "
+                            "e.g. ('lm_head',)")
+        object.__setattr__(self, "skip_module_names", tuple(self.skip_module_names))
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        """FP8 dtype of activations and weights."""
+        return torch.float8_e4m3fn
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """FP8 dtype of output gradients."""
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+    def replace(self, **changes) -> "Fp8Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides) -> "Fp8Config":
+        """Build a named recipe, optionally overriding fields.
+
+        Recipes: ``tensorwise`` (default: current scaling, hybrid formats),
+        ``tensorwise_pow2`` (power-of-two scales), ``delayed`` (amax history of 16, max),
+        ``tensorwise_e4m3`` (e4m3 for gradients too).
+        """
+        if name not in NAMED_RECIPES:
+            raise ValueError(f"unknown FP8 recipe {name!r}; choose one of {sorted(NAMED_RECIPES)}")
+        return cls(**{**NAMED_RECIPES[name], **overrides})
+
+
+NAMED_RECIPES: dict[str, dict] = {
+    "tensorwise": {},
+    "tensorwise_pow2": {"power_of_2_scale": True},
+    "delayed": {"recipe": "delayed", "amax_history_len": 16, "amax_compute_algo": "max"},
+    "tensorwise_e4m3": {"fp8_format": "e4m3"},
+}
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"Fp8Config.{name}={value!r} is not supported; use one of {choices}")

@@ -1,0 +1,190 @@
+"""Fp8Linear: an ``nn.Linear`` whose three GEMMs run in FP8.
+
+The three GEMMs, all in "NT" form (both operands K-major: row-major with the reduced dim last),
+as Hopper FP8 tensor cores require:
+
+    fprop  y[M,N]  = x[M,K]  . W[N,K]^T    mm(xq,      wq)       x e4m3 [M,K],  W e4m3 [N,K]
+    dgrad  dx[M,K] = dy[M,N] . W[N,K]      mm(dyq,     wq_t)     dy e5m2 [M,N], W^T e4m3 [K,N]
+    wgrad  dW[N,K] = dy^T    . x           mm(dyq_t,   xq_t)     dy^T e5m2 [N,M], x^T e4m3 [K,M]
+
+So each cast emits the row-major copy and, when backward needs it, the transposed copy in one
+pass. Backward saves ``xq_t`` (1 byte/element), never the BF16 input. Bias stays in high
+precision. The weight cast is cached while the weight is unchanged (same storage, same version
+counter): micro-batches and gradient accumulation reuse it; an optimizer step invalidates it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .backends import Fp8Backend, get_backend
+from .config import Fp8Config
+from .scaling import DelayedScalingState, Fp8Tensor, amax
+
+_ROLES = ("input", "weight", "grad")
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, layer: "Fp8Linear"):
+        backend, cfg = layer._fp8_backend, layer.fp8_config
+        # Grad mode is off inside forward: needs_input_grad says what backward will need.
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        xq = layer._quantize("input", x2d, cfg.fwd_dtype, with_transpose=need_wgrad)
+        wq = layer._weight_fp8(with_transpose=need_dgrad)
+        y = backend.mm(xq.data, wq.data, xq.inv_scale, wq.inv_scale, bias=bias,
+                       out_dtype=x2d.dtype, use_fast_accum=cfg.fast_accum_fprop)
+        ctx.layer = layer
+        ctx.need_wgrad, ctx.need_dgrad = need_wgrad, need_dgrad
+        ctx.has_bias = bias is not None
+        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(xq.data_t if need_wgrad else None, xq.inv_scale,
+                              wq.data_t if need_dgrad else None, wq.inv_scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
+        layer = ctx.layer
+        backend, cfg = layer._fp8_backend, layer.fp8_config
+        dy = dy.contiguous()
+        dyq = layer._quantize("grad", dy, cfg.grad_dtype, with_transpose=ctx.need_wgrad)
+        dx = dw = db = None
+        if ctx.need_dgrad:
+            dx = backend.mm(dyq.data, wq_t, dyq.inv_scale, w_inv, out_dtype=ctx.x_dtype,
+                            use_fast_accum=cfg.fast_accum_dgrad)
+        if ctx.need_wgrad:
+            dw = backend.mm(dyq.data_t, xq_t, dyq.inv_scale, x_inv, out_dtype=ctx.w_dtype,
+                            use_fast_accum=cfg.fast_accum_wgrad)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.float().sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` running forward, dgrad and wgrad GEMMs in FP8 with per-tensor scaling.
+
+    Accepts any number of leading batch dims; works under ``torch.no_grad()``.
+
+    Example:
+        >>> import torch
+        >>> from fp8boost.fp8 import Fp8Config, Fp8Linear
+        >>> layer = Fp8Linear(64, 32, config=Fp8Config(backend="emulated"))
+        >>> layer(torch.randn(4, 8, 64)).shape
+        torch.Size([4, 8, 32])
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, config: Optional[Fp8Config] = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8(config if config is not None else Fp8Config())
+
+    def _init_fp8(self, config: Fp8Config) -> None:
+        if not isinstance(config, Fp8Config):
+            raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+        self.fp8_config = config
+        self._fp8_backend: Optional[Fp8Backend] = None
+        self._backend_device: Optional[torch.device] = None
+        self._w_cache: Optional[tuple] = None
+        self.amax_reduce_fn = None
+        self._delayed: dict[str, DelayedScalingState] = {}
+        if config.recipe == "delayed":
+            # Buffers, so the history moves with .to() and is saved in state_dict (exact resume).
+            dev = self.weight.device if self.weight.device.type != "meta" else None
+            self.register_buffer("fp8_amax_history",
+                                 torch.zeros(3, config.amax_history_len, device=dev))
+            self.register_buffer("fp8_scale", torch.ones(3, device=dev))
+            dtypes = (config.fwd_dtype, config.fwd_dtype, config.grad_dtype)
+            for role, dt in zip(_ROLES, dtypes):
+                self._delayed[role] = DelayedScalingState(
+                    dt, config.amax_history_len, config.amax_compute_algo, config.margin,
+                    config.power_of_2_scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Optional[Fp8Config] = None) -> "Fp8Linear":
+        """Build an Fp8Linear that shares ``linear``'s Parameter objects (no copy).
+
+        The new module is created on the meta device, so nothing is allocated or initialised.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected nn.Linear, got {type(linear).__name__}")
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                      config=config if config is not None else Fp8Config())
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if config is not None and config.recipe == "delayed":
+            new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=linear.weight.device)
+            new.fp8_scale = torch.ones_like(new.fp8_scale, device=linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def set_amax_reduce_fn(self, fn) -> None:
+        """Distribution hook for delayed scaling: ``fn(amax)`` reduces a fresh amax in place."""
+        self.amax_reduce_fn = fn
+        for state in self._delayed.values():
+            state.amax_reduce_fn = fn
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self._delayed and prefix + "fp8_amax_history" in state_dict:
+            for state in self._delayed.values():
+                state.initialized = True
+        self._w_cache = None
+
+    def _resolve_backend(self, device: torch.device) -> None:
+        if self._fp8_backend is None or self._backend_device != device:
+            self._fp8_backend = get_backend(self.fp8_config.backend, device)
+            self._backend_device = device
+
+    def _quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype,
+                  with_transpose: bool) -> Fp8Tensor:
+        cfg, backend = self.fp8_config, self._fp8_backend
+        if not self._delayed:
+            q, _ = backend.quantize(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
+                                    with_transpose=with_transpose)
+            return q
+        i = _ROLES.index(role)
+        state = self._delayed[role].bind(self.fp8_amax_history[i], self.fp8_scale[i])
+        if not state.initialized:
+            state.seed(state.reduce(amax(x)))
+        q, a = backend.quantize(x, dtype, scale=state.scale.clone(),
+                                with_transpose=with_transpose)
+        state.record(state.reduce(a))
+        return q
+
+    def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
+        w = self.weight
+        use_cache = self.fp8_config.cache_weight_cast and not _compiling()
+        key = (w.data_ptr(), w._version, w.dtype, w.device, self._fp8_backend.name)
+        if use_cache and self._w_cache is not None and self._w_cache[0] == key:
+            wq = self._w_cache[1]
+            if wq.data_t is not None or not with_transpose:
+                return wq
+        # Always emit the transpose when caching: the next backward will want it.
+        wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
+                            with_transpose=with_transpose or use_cache)
+        self._w_cache = (key, wq) if use_cache else None
+        return wq
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Fp8Linear expected last dim {self.in_features}, got {tuple(x.shape)}")
+        self._resolve_backend(x.device)
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        c = self.fp8_config
+        return (f"{super().extra_repr()}, recipe={c.recipe}, format={c.fp8_format}, "
+                f"backend={c.backend}")
+
+
+def _compiling() -> bool:
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())

@@ -1,0 +1,24 @@
+"""fp8boost: FP8 training for PyTorch on Hopper GPUs (Booster + plugins, Triton kernels)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="fp8boost",
+    version="0.1.0",
+    description="FP8 training library for PyTorch: Booster/plugins, Triton FP8 kernels, FP8 collectives",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fp8boost", "fp8boost.*"]),
+    package_data={"fp8boost": ["data/*.txt"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "triton>=3.2; platform_system == 'Linux'",
+        "transformers>=4.45",
+        "accelerate>=0.34",
+        "safetensors>=0.4",
+        "numpy",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "expecttest", "matplotlib"],
+    },
+)
