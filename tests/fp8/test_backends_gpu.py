@@ -25,7 +25,10 @@ def test_cublas_mm_matches_emulated(m, k, n):
     for fast in (False, True):
         out = cub.mm(aq.data, bq.data, aq.inv_scale, bq.inv_scale, out_dtype=torch.float32,
                      use_fast_accum=fast)
-        assert rel(out, ref) < (2e-3 if fast else 1e-5)
+        # Hopper FP8 MMA keeps partial sums in reduced (~22-bit) precision; cuBLAS promotes them
+        # to FP32 every few K-blocks unless fast accumulation is on. Measured on an H200:
+        # 1.3e-4 promoted at K=512; fast accumulation errs more as K grows.
+        assert rel(out, ref) < (3e-3 if fast else 5e-4)
     out_bf16 = cub.mm(aq.data, bq.data, aq.inv_scale, bq.inv_scale, out_dtype=torch.bfloat16)
     assert rel(out_bf16, ref) < 8e-3  # bf16 output rounding (2^-9 relative)
 
