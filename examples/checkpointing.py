@@ -2,8 +2,9 @@
 
 Layout of one checkpoint (``<save_dir>/step_00000100/``)::
 
-    model/              booster.save_model (sharded safetensors, HF index layout)
-    optimizer/          booster.save_optimizer (sharded for ZeRO)
+    model/              booster.save_model (sharded safetensors, HF index layout:
+                        LlamaForCausalLM.from_pretrained can load it)
+    optimizer/          booster.save_optimizer (sharded for ZeRO; loads into any world size)
     lr_scheduler.pt     booster.save_lr_scheduler
     rng/rank<r>.pt      torch CPU (+ CUDA) RNG state of each rank
     trainer_state.json  step, tokens seen, world size, out_dir, seed (written last)
@@ -54,10 +55,10 @@ def save_checkpoint(booster, model, optimizer, lr_scheduler, save_dir: Path, ste
         shutil.rmtree(partial, ignore_errors=True)  # leftovers of a save that died
         (partial / "rng").mkdir(parents=True, exist_ok=True)
     _barrier()
+    # Collective calls: every rank enters each (ZeRO ranks write their own optimizer shards).
     booster.save_model(model, str(partial / "model"), shard=True)
-    booster.save_optimizer(optimizer, str(partial / "optimizer"), shard=True)
-    if rank == 0:
-        booster.save_lr_scheduler(lr_scheduler, str(partial / "lr_scheduler.pt"))
+    booster.save_optimizer(optimizer, str(partial / "optimizer"))
+    booster.save_lr_scheduler(lr_scheduler, str(partial / "lr_scheduler.pt"))
     torch.save(_rng_state(device), partial / "rng" / f"rank{rank}.pt")
     _barrier()
     if rank == 0:

@@ -147,8 +147,10 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path, title: str = "") -> Option
                       f"(the metrics are in {jsonl_path}; pip install matplotlib)", stacklevel=2)
         return None
     records = read_jsonl(jsonl_path)
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "eval"]
+    # A run resumed into the same out dir appends steps it had already logged before it
+    # died: the later record of a step wins.
+    train = sorted({r["step"]: r["loss"] for r in records if r.get("kind") == "train"}.items())
+    val = sorted({r["step"]: r["val_loss"] for r in records if r.get("kind") == "eval"}.items())
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)

@@ -28,7 +28,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -82,7 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--max-norm", type=float, default=1.0, help="grad-norm clip; 0 disables")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--out-dir", default=None, help="default: runs/<timestamp>")
-    g.add_argument("--eval-every", type=int, default=0, help="0: evaluate at the end only")
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="validation interval (default: --steps/10); 0: at the end only")
     g.add_argument("--eval-batches", type=int, default=8)
     g.add_argument("--log-every", type=int, default=20, help="plain-print interval (no tqdm)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
@@ -96,6 +96,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 20)
+    if args.eval_every is None:
+        args.eval_every = args.steps // 10
     return args
 
 
@@ -132,7 +134,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.model_path is not None:
         presets.check_model_path(args.model_path)
     if args.resume is not None:
-        checkpointing.resolve_checkpoint(args.resume)
+        ckpt_step = checkpointing.read_trainer_state(
+            checkpointing.resolve_checkpoint(args.resume))["step"]
+        if ckpt_step >= args.steps:
+            raise ValueError(f"the checkpoint is at step {ckpt_step}, not before --steps "
+                             f"{args.steps}; raise --steps to train further")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
 
@@ -150,37 +156,36 @@ def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
 
 
 def start_process_group(world_size: int, device: torch.device) -> None:
-    """Create the default process group (idempotent); a crashed peer times out, not hangs."""
+    """Join torchrun's process group (NCCL on GPU, gloo on CPU) with a timeout, so a crashed
+    peer ends the job instead of hanging it."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=10)
-    if "MASTER_ADDR" in os.environ:  # torchrun
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
-        store = os.path.join(tempfile.mkdtemp(prefix="fp8boost_pg_"), "store")
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=0,
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def make_booster(args: argparse.Namespace, device: torch.device):
-    """The Booster for ``--plugin`` / ``--precision`` / ``--use-fp8`` / ``--fp8-comm``."""
+    """The Booster for ``--plugin`` / ``--precision`` / ``--use-fp8`` / ``--fp8-comm``.
+
+    Clipping is left to :func:`clip_gradients` (``booster.clip_grad_norm_``), which also
+    reports the norm, so no plugin gets a ``max_norm`` of its own.
+    """
     from fp8boost.booster import Booster
 
     if args.plugin == "none":
-        mixed = "fp8" if args.use_fp8 else {"bf16": "bf16", "fp16": "fp16", "fp32": None}[
-            args.precision]
-        return Booster(mixed_precision=mixed, device=device)
+        return Booster(mixed_precision="fp8" if args.use_fp8 else args.precision, device=device)
     from fp8boost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
 
     if args.plugin == "ddp":
-        plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm)
-        mixed = None if args.precision == "fp32" else args.precision
-        return Booster(plugin=plugin, mixed_precision=mixed, device=device)
-    plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
-                                precision=args.precision, use_fp8=args.use_fp8,
-                                fp8_communication=args.fp8_comm, max_norm=args.max_norm)
+        plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm,
+                                precision=args.precision)
+    else:
+        plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
+                                    precision=args.precision, use_fp8=args.use_fp8,
+                                    fp8_communication=args.fp8_comm)
     return Booster(plugin=plugin, device=device)
 
 
@@ -207,19 +212,11 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.op
 
 
 def clip_gradients(booster, model, optimizer, args: argparse.Namespace) -> Optional[float]:
-    """Clip the global grad norm to ``--max-norm``; returns the norm before clipping if known.
-
-    ZeRO plugins clip inside their optimizer step (``max_norm`` given to the plugin, across
-    shards). Otherwise the boosted optimizer's ``clip_grad_by_norm`` is used when it has one,
-    else ``torch.nn.utils.clip_grad_norm_`` (after DDP's all-reduce every rank holds the same
-    full gradients, so the local norm is the global one).
-    """
-    if args.max_norm <= 0 or args.plugin in ("zero1", "zero2"):
+    """Clip the global grad norm to ``--max-norm`` (over all shards for ZeRO); returns the
+    norm before clipping (inf when FP16 gradients overflowed and the step will be skipped)."""
+    if args.max_norm <= 0:
         return None
-    clip = getattr(optimizer, "clip_grad_by_norm", None)
-    norm = clip(args.max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(
-        model.parameters(), args.max_norm)
-    return float(norm) if norm is not None else None
+    return float(booster.clip_grad_norm_(model, optimizer, args.max_norm))
 
 
 def load_corpus(args: argparse.Namespace, seq_len: int):
@@ -259,7 +256,7 @@ def evaluate(model, windows, args, rank: int, world_size: int, device: torch.dev
     total = 0.0
     for i in range(args.eval_batches):
         batch = windows.batch(step=i, micro_step=0, rank=rank, batch_size=args.batch_size)
-        batch = batch.to(device, non_blocking=True)
+        batch = batch.to(device)
         total += float(model(input_ids=batch, labels=batch).loss)
     model.train()
     (mean,), _ = reduce_mean_max([total / args.eval_batches], [], world_size, device)
@@ -276,10 +273,9 @@ def train_step(run: "Run", args: argparse.Namespace, step: int, rank: int,
     booster, model, optimizer = run.booster, run.model, run.optimizer
     loss_sum = 0.0
     for micro in range(args.grad_accum):
-        batch = run.train_windows.batch(step, micro, rank, args.batch_size).to(device, non_blocking=True)
+        batch = run.train_windows.batch(step, micro, rank, args.batch_size).to(device)
         last = micro == args.grad_accum - 1
-        sync = contextlib.nullcontext() if last or args.plugin == "none" else \
-            booster.no_sync(model, optimizer)
+        sync = contextlib.nullcontext() if last else booster.no_sync(model, optimizer)
         with sync:
             loss = model(input_ids=batch, labels=batch).loss / args.grad_accum
             booster.backward(loss, optimizer)
@@ -423,9 +419,6 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
         ckpt = checkpointing.resolve_checkpoint(args.resume)
         resume_state = checkpointing.load_checkpoint(booster, model, optimizer, lr_scheduler,
                                                      ckpt, rank, device)
-        if resume_state["step"] >= args.steps:
-            raise ValueError(f"the checkpoint is at step {resume_state['step']}, not before "
-                             f"--steps {args.steps}; raise --steps to train further")
     return Run(booster, model, optimizer, lr_scheduler, train_windows, val_windows,
                resume_state, n_params, fpt)
 
@@ -434,7 +427,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole training; returns the summary (rank 0's view; empty on other ranks)."""
     rank, world_size, device = init_distributed(args.device)
     validate_args(args, world_size)
-    if world_size > 1 or args.plugin != "none":
+    if world_size > 1:  # plain python: the plugins start a one-process group themselves
         start_process_group(world_size, device)
     run = setup(args, rank, device)
     start_step = run.resume_state["step"] if run.resume_state else 0

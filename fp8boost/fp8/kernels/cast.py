@@ -29,13 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaling import FP8_DTYPES, fp8_max, scale_from_amax
+from ..scaling import FP8_DTYPES, scale_from_amax
 from .tuning import ConfigCache, bucket, interpreting, num_sms
 
 _FP32_MAX = 3.4028234663852886e38
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 # (mantissa bits, smallest normal exponent) for the interpreter's grid rounding.
 _GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @triton.jit
@@ -101,40 +102,53 @@ def _round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_in_ptr, part_ptr, n_part, stats_ptr, amax_bits_ptr,
-                 R, C, stride_r, stride_c, n_tiles_c, n_tiles, fp8_max_val, target,
+def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_in_ptr, part_ptr, n_part, amax_ptr, amax_bits_ptr,
+                 scale_ptr, inv_ptr, R, C, stride_r, stride_c, n_tiles_c, n_tiles, nprog,
+                 fp8_max_val, target,
                  OUT_DTYPE: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr,
                  WITH_T: tl.constexpr, EMULATE_RNE: tl.constexpr, MANT_BITS: tl.constexpr,
                  MIN_EXP: tl.constexpr, IDX64: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_C: tl.constexpr, PART_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
+    # The scale is derived once per program (not per tile) from the amax partials.
     if CURRENT:
         offs_p = tl.arange(0, PART_BLOCK)
         parts = tl.load(part_ptr + offs_p, mask=offs_p < n_part, other=0)
         a = tl.max(parts, axis=0).to(tl.float32, bitcast=True)
         scale = _scale_from_amax(a, target, POW2)
-        tl.store(stats_ptr, a, mask=pid == 0)
+        tl.store(amax_ptr, a, mask=pid == 0)
     else:
         scale = tl.load(scale_in_ptr).to(tl.float32)
-    tl.store(stats_ptr + 1, scale, mask=pid == 0)
-    tl.store(stats_ptr + 2, tl.math.div_rn(1.0, scale), mask=pid == 0)
+    tl.store(scale_ptr, scale, mask=pid == 0)
+    tl.store(inv_ptr, tl.math.div_rn(1.0, scale), mask=pid == 0)
 
-    tile = n_tiles - 1 - pid  # reverse order: start where the amax pass ended (L2-hot)
-    offs_r, offs_c, mask = _tile_offsets(tile, n_tiles_c, R, C, BLOCK_R, BLOCK_C, IDX64)
-    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
-                other=0.0).to(tl.float32)
-    if not CURRENT:  # delayed scaling: the amax rides along with the cast
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    y = x * scale
-    y = tl.where(y > fp8_max_val, fp8_max_val, y)
-    y = tl.where(y < -fp8_max_val, -fp8_max_val, y)
-    if EMULATE_RNE:
-        y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-    q = y.to(OUT_DTYPE)
-    tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
-    if WITH_T:
-        # The transposed (K-major for the other GEMMs) copy from the same registers.
-        tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], tl.trans(q), mask=tl.trans(mask))
+    amax_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    # Persistent loop; tiles in reverse order: start where the amax pass ended (L2-hot).
+    for i in range(pid, n_tiles, nprog):
+        tile = n_tiles - 1 - i
+        offs_r, offs_c, mask = _tile_offsets(tile, n_tiles_c, R, C, BLOCK_R, BLOCK_C, IDX64)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
+        if not CURRENT:  # delayed scaling: the amax rides along with the cast
+            amax_acc = tl.maximum(amax_acc, _abs_bits(x))
+        y = x * scale
+        y = tl.where(y > fp8_max_val, fp8_max_val, y)
+        y = tl.where(y < -fp8_max_val, -fp8_max_val, y)
+        if EMULATE_RNE:
+            y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+        q = y.to(OUT_DTYPE)
+        if EMULATE_RNE:  # the interpreter turns NaN into a finite FP8 value: write 0x7F (NaN)
+            q = tl.where(y != y, tl.full(q.shape, 0x7F, tl.uint8).to(OUT_DTYPE, bitcast=True), q)
+        tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+        if WITH_T:
+            # The transposed (K-major for the other GEMMs) copy from the same registers. It is
+            # transposed as raw bytes: Triton 3.6 moving FP8 values through shared memory was
+            # seen to turn -0.0 into +0.0 (H200, float32 input), an integer shuffle cannot.
+            qb = q.to(tl.uint8, bitcast=True)
+            tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], tl.trans(qb),
+                     mask=tl.trans(mask))
+    if not CURRENT:  # one integer atomic per program, not per tile
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
 
 
 class CastResult(NamedTuple):
@@ -147,12 +161,13 @@ class CastResult(NamedTuple):
     scale: torch.Tensor
 
 
-# (BLOCK_R, BLOCK_C, num_warps, programs per SM) for the amax pass; (BLOCK_R, BLOCK_C, num_warps)
-# for the cast pass. Tuned once per (size bucket, dtype, transpose) on the GPU.
-AMAX_CONFIGS = [(32, 256, 4, 4), (64, 256, 8, 4), (32, 512, 8, 2), (16, 256, 4, 8)]
-CAST_CONFIGS = [(64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 128, 4)]
+# (BLOCK_R, BLOCK_C, num_warps, programs per SM; 0 = one program per tile), for the amax and
+# the cast pass. Tuned once per (size bucket, dtype, transpose) on the GPU.
+AMAX_CONFIGS = [(32, 256, 4, 4), (64, 256, 8, 4), (32, 512, 8, 2), (16, 512, 4, 4)]
+CAST_CONFIGS = [(64, 128, 4, 0), (64, 128, 4, 8), (128, 128, 8, 4), (128, 128, 8, 0),
+                (64, 256, 8, 4), (32, 256, 4, 8), (128, 64, 4, 8)]
 _INTERP_AMAX = (8, 32, 1, 2)
-_INTERP_CAST = (16, 32, 1)
+_INTERP_CAST = (16, 32, 1, 1)
 _AMAX_CACHE = ConfigCache("amax")
 _CAST_CACHE = ConfigCache("cast")
 _TL_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -216,27 +231,37 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] 
     interp = interpreting()
     idx64 = _needs_int64(x)
     current = scale is None
-    stats = (torch.empty if current else torch.zeros)(3, dtype=torch.float32, device=dev)
-    part, n_part = _amax_partials(x, idx64) if current else (stats, 1)
+    # Three separate 0-dim outputs (custom ops may not return aliasing tensors). The delayed
+    # path accumulates the amax with an integer atomic max, so it starts from zero.
+    a_out = (torch.empty if current else torch.zeros)((), dtype=torch.float32, device=dev)
+    s_out = torch.empty((), dtype=torch.float32, device=dev)
+    inv_out = torch.empty((), dtype=torch.float32, device=dev)
+    part, n_part = _amax_partials(x, idx64) if current else (a_out, 1)
     mant, min_exp = _GRID[dtype]
     common = dict(OUT_DTYPE=_TL_DTYPES[dtype], CURRENT=current, POW2=bool(power_of_2),
                   WITH_T=with_transpose, EMULATE_RNE=interp, MANT_BITS=mant, MIN_EXP=min_exp,
                   IDX64=idx64, PART_BLOCK=max(triton.next_power_of_2(n_part), 16))
-    target = fp8_max(dtype) / (2.0 ** margin)
+    fmax = _FP8_MAX[dtype]
+    target = fmax / (2.0 ** margin)
+
+    sms = num_sms(dev)
 
     def run(cfg):
-        br, bc, warps = cfg
+        br, bc, warps, per_sm = cfg
         ntc = triton.cdiv(C, bc)
         nt = triton.cdiv(R, br) * ntc
-        _cast_kernel[(nt,)](
-            x, data, data_t if with_transpose else data, scale if not current else stats, part,
-            n_part, stats, stats.view(torch.int32), R, C, x.stride(0), x.stride(1), ntc, nt,
-            fp8_max(dtype), target, BLOCK_R=br, BLOCK_C=bc, num_warps=warps, **common)
+        nprog = min(nt, per_sm * sms) if per_sm else nt
+        _cast_kernel[(nprog,)](
+            x, data, data_t.view(torch.uint8) if with_transpose else data,
+            s_out if current else scale, part,
+            n_part, a_out, a_out.view(torch.int32), s_out, inv_out, R, C, x.stride(0),
+            x.stride(1), ntc, nt, nprog,
+            fmax, target, BLOCK_R=br, BLOCK_C=bc, num_warps=warps, **common)
 
     key = (bucket(R * C), bucket(C), x.dtype, dtype, with_transpose, current, dev.index)
     cfg = _INTERP_CAST if interp else _CAST_CACHE.pick(key, CAST_CONFIGS, run)
     run(cfg)
-    return CastResult(data, data_t, stats[2], stats[0], stats[1])
+    return CastResult(data, data_t, inv_out, a_out, s_out)
 
 
 def _needs_int64(x: torch.Tensor) -> bool:

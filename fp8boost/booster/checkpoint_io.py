@@ -1,0 +1,361 @@
+"""Checkpoints: sharded safetensors models (HF layout), re-shardable optimizer state, schedulers.
+
+Model (a directory, written by data-parallel rank 0 only)::
+
+    model.safetensors.index.json            {"metadata": {"total_size": N}, "weight_map": {...}}
+    model-00001-of-00003.safetensors ...    (or a single model.safetensors with shard=False)
+    config.json                             (when the model has an HF ``.config``)
+
+``transformers``' ``from_pretrained`` loads it directly. Tensors sharing storage (tied weights)
+are written once, as ``save_pretrained`` does; loading re-ties them through the model.
+
+Optimizer (a directory; every rank that holds a shard writes its own file)::
+
+    optimizer.index.json                    format, saved world size, param_groups, per-param
+                                            shape/numel and which state keys are sharded
+    optimizer-rank00000-of-00002.safetensors  "<param index>/<key>": rank r's piece of the
+                                            flattened full-size state, elements
+                                            [r*c, min((r+1)*c, numel)), c = ceil(numel/world)
+    optimizer-replicated.safetensors        replicated tensors (e.g. Adam's "step")
+
+Because a piece is a plain range of the flattened full tensor, a checkpoint saved by W ranks
+loads into any other world size (each rank reads only the ranges it needs) and into a plain
+unsharded optimizer; ``master_param`` pieces restore FP32 master weights exactly.
+
+Atomicity: every save writes into a fresh temp directory next to the target, then renames it
+into place (``os.replace``) once every rank has finished. A save that dies midway leaves the
+previous checkpoint untouched (only a ``.<name>.tmp-*`` directory behind).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MODEL_INDEX = "model.safetensors.index.json"
+MODEL_SINGLE = "model.safetensors"
+OPTIM_INDEX = "optimizer.index.json"
+OPTIM_REPLICATED = "optimizer-replicated.safetensors"
+OPTIM_FORMAT = "fp8boost-optimizer-v1"
+
+
+# ------------------------------------------------------------------------------ coordination
+def _active(group) -> bool:
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if _active(group) else 0
+
+
+def _comm_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _barrier(group) -> None:
+    if _active(group):
+        dist.barrier(group=group)
+
+
+def _broadcast_object(obj, group):
+    if not _active(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=_comm_device(group))
+    return box[0]
+
+
+def _all_ok(ok: bool, group) -> bool:
+    if not _active(group):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _check_target(path: str, markers: tuple[str, ...]) -> Optional[str]:
+    """Why ``path`` may not be (over)written, or None."""
+    if os.path.isfile(path):
+        return f"{path} is a file; checkpoints are directories: pass a directory path"
+    if os.path.isdir(path) and os.listdir(path) and not any(
+            os.path.exists(os.path.join(path, m)) for m in markers):
+        return (f"refusing to replace {path}: it is a non-empty directory that is not a checkpoint "
+                "of this kind; pass a new or an old checkpoint directory")
+    return None
+
+
+def atomic_save_dir(path: str, group, write: Callable[[str], None],
+                    markers: tuple[str, ...]) -> None:
+    """Run ``write(tmp_dir)`` on every rank of ``group``, then swap ``tmp_dir`` into ``path``.
+
+    Rank 0 creates the temp dir and does the rename; a failure on any rank removes the temp dir,
+    keeps the previous checkpoint and raises on every rank.
+    """
+    path = os.path.abspath(path)
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    tmp, err = None, None
+    if _rank(group) == 0:
+        err = _check_target(path, markers)
+        if err is None:
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    tmp, err = _broadcast_object((tmp, err), group)
+    if err is not None:
+        raise ValueError(err)
+    failure: Optional[BaseException] = None
+    try:
+        write(tmp)
+    except BaseException as e:  # noqa: BLE001 - every rank must learn about it before raising
+        failure = e
+    if not _all_ok(failure is None, group):
+        if _rank(group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(group)
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"saving {path} failed on another rank; the previous checkpoint is kept")
+    if _rank(group) == 0:
+        _swap_in(tmp, path)
+    _barrier(group)
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    if not os.path.exists(path):
+        os.replace(tmp, path)
+        return
+    # rename(2) cannot replace a non-empty directory: move the old one aside first.
+    old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _require(path: str, what: str, marker: str) -> None:
+    if os.path.exists(os.path.join(path, marker)):
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    leftovers = [d for d in os.listdir(parent) if d.startswith(f".{name}.old-")] \
+        if os.path.isdir(parent) else []
+    hint = (f"; a save was interrupted while swapping directories: the previous checkpoint is in "
+            f"{os.path.join(parent, leftovers[0])}") if leftovers else ""
+    raise FileNotFoundError(f"no {what} checkpoint at {path} (missing {marker}){hint}")
+
+
+# ------------------------------------------------------------------------------------- model
+def _dedup_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop keys whose tensor is an exact alias of an earlier key (tied weights)."""
+    seen: set[tuple] = set()
+    out = {}
+    for k, t in sd.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[k] = t
+    return out
+
+
+def _plan_shards(sd: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nbytes
+    return shards
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def write_model(model: nn.Module, directory: str, shard: bool, size_per_shard_mb: float,
+                overrides: Optional[dict[int, torch.Tensor]] = None) -> None:
+    """Write ``model``'s state into ``directory`` (HF layout; see module docstring).
+
+    ``overrides`` maps ``id(param)`` to the tensor to write in its place.
+    """
+    sd = _dedup_state_dict(model.state_dict(keep_vars=True))
+    if overrides:
+        sd = {k: overrides.get(id(t), t) for k, t in sd.items()}
+    if not shard:
+        save_file({k: _cpu_copy(t) for k, t in sd.items()}, os.path.join(directory, MODEL_SINGLE),
+                  metadata={"format": "pt"})
+    else:
+        plan = _plan_shards(sd, int(size_per_shard_mb * 1024 * 1024))
+        weight_map, total = {}, 0
+        for n, keys in enumerate(plan, 1):
+            fname = f"model-{n:05d}-of-{len(plan):05d}.safetensors"
+            tensors = {k: _cpu_copy(sd[k]) for k in keys}
+            save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update({k: fname for k in keys})
+        with open(os.path.join(directory, MODEL_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        gen.save_pretrained(directory)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+
+
+def read_model(model: nn.Module, directory: str, strict: bool = True) -> None:
+    """Load a directory written by ``write_model`` (or by HF ``save_pretrained``).
+
+    Keys and shapes are checked against the model before any weight is copied, so a mismatch
+    leaves the model untouched.
+    """
+    if os.path.exists(os.path.join(directory, MODEL_INDEX)):
+        with open(os.path.join(directory, MODEL_INDEX)) as f:
+            files = list(dict.fromkeys(json.load(f)["weight_map"].values()))
+    else:
+        _require(directory, "model", MODEL_SINGLE)
+        files = [MODEL_SINGLE]
+    own = model.state_dict()
+    shapes: dict[str, tuple] = {}
+    for fname in files:
+        with safe_open(os.path.join(directory, fname), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    unexpected = [k for k in shapes if k not in own]
+    wrong = [f"{k}: {shapes[k]} vs {tuple(own[k].shape)}" for k in shapes
+             if k in own and shapes[k] != tuple(own[k].shape)]
+    # A key missing from the files is fine when the model ties it to a loaded tensor.
+    tied = {_storage_key(own[k]) for k in shapes if k in own}
+    missing = [k for k in own if k not in shapes and _storage_key(own[k]) not in tied]
+    if wrong or (strict and (missing or unexpected)):
+        raise RuntimeError(f"checkpoint {directory} does not match the model: shape mismatches "
+                           f"{wrong[:5]}, missing keys {missing[:10]}, unexpected keys "
+                           f"{unexpected[:10]} (strict=False allows missing/unexpected keys)")
+    for fname in files:
+        part = load_file(os.path.join(directory, fname))
+        model.load_state_dict({k: v for k, v in part.items() if k in own}, strict=False)
+
+
+# --------------------------------------------------------------------------------- optimizer
+def _check_optimizer(optimizer) -> None:
+    if not hasattr(optimizer, "checkpoint_state"):
+        raise TypeError("save/load the optimizer returned by booster.boost(), not the raw torch "
+                        f"optimizer (got {type(optimizer).__name__})")
+
+
+def _jsonable(value):
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _shard_file(rank: int, world: int) -> str:
+    return f"optimizer-rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def write_optimizer(optimizer, directory: str, is_writer: bool) -> None:
+    """Write this rank's part of the optimizer state (see module docstring)."""
+    sharded, replicated, groups, extra = optimizer.checkpoint_state()
+    world, rank = optimizer.shard_world_size, optimizer.shard_rank
+    if not is_writer:
+        return
+    tensors = {f"{i}/{k}": _cpu_copy(v) for i, d in sharded.items() for k, v in d.items()
+               if v.numel() > 0}
+    save_file(tensors, os.path.join(directory, _shard_file(rank, world)))
+    if rank != 0:
+        return
+    rep_tensors, params = {}, []
+    for i, shard in enumerate(optimizer.checkpoint_layout()):
+        values = {}
+        for k, v in replicated.get(i, {}).items():
+            if torch.is_tensor(v):
+                rep_tensors[f"{i}/{k}"] = _cpu_copy(v)
+            else:
+                json.dumps(v)  # raises TypeError for state we cannot store
+                values[k] = v
+        params.append({"shape": list(shard.shape), "numel": shard.numel,
+                       "sharded": sorted(sharded.get(i, {})),
+                       "replicated_tensors": sorted(k for k, v in replicated.get(i, {}).items()
+                                                    if torch.is_tensor(v)),
+                       "replicated_values": values})
+    save_file(rep_tensors, os.path.join(directory, OPTIM_REPLICATED))
+    groups = [{k: _jsonable(v) for k, v in g.items()} for g in groups]
+    index = {"format": OPTIM_FORMAT, "world_size": world, "param_groups": groups,
+             "params": params, "extra": extra}
+    with open(os.path.join(directory, OPTIM_INDEX), "w") as f:
+        json.dump(index, f, indent=1)
+
+
+def _restore_types(saved_groups: list[dict], current_groups: list[dict]) -> list[dict]:
+    out = []
+    for saved, cur in zip(saved_groups, current_groups):
+        g = dict(saved)
+        for k, v in cur.items():
+            if k in g and k != "params":
+                if isinstance(v, tuple):
+                    g[k] = tuple(g[k])
+                elif torch.is_tensor(v):
+                    g[k] = torch.tensor(g[k], dtype=v.dtype, device=v.device)
+        out.append(g)
+    return out
+
+
+def read_optimizer(optimizer, directory: str) -> None:
+    """Load optimizer state saved by any world size into this rank's layout."""
+    _require(directory, "optimizer", OPTIM_INDEX)
+    with open(os.path.join(directory, OPTIM_INDEX)) as f:
+        index = json.load(f)
+    if index.get("format") != OPTIM_FORMAT:
+        raise ValueError(f"{directory} has optimizer format {index.get('format')!r}, "
+                         f"expected {OPTIM_FORMAT!r}")
+    layout = optimizer.checkpoint_layout()
+    metas = index["params"]
+    if len(metas) != len(layout) or any(m["numel"] != s.numel for m, s in zip(metas, layout)):
+        raise ValueError(f"optimizer checkpoint {directory} holds {len(metas)} parameters "
+                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has {len(layout)} "
+                         f"{[s.numel for s in layout][:8]}...: same model and param groups needed")
+    saved_world = index["world_size"]
+    handles: dict[int, object] = {}
+
+    def piece(i: int, key: str, start: int, end: int) -> torch.Tensor:
+        numel = metas[i]["numel"]
+        c = -(-numel // saved_world)
+        parts = []
+        for q in range(start // c, -(-end // c)) if end > start else []:
+            qs, qe = q * c, min(q * c + c, numel)
+            a, b = max(start, qs), min(end, qe)
+            if a >= b:
+                continue
+            if q not in handles:
+                handles[q] = safe_open(os.path.join(directory, _shard_file(q, saved_world)), "pt")
+            parts.append(handles[q].get_slice(f"{i}/{key}")[a - qs:b - qs])
+        if not parts:
+            return torch.zeros(0)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    sharded, replicated = {}, {}
+    rep_file = safe_open(os.path.join(directory, OPTIM_REPLICATED), "pt")
+    for i, (meta, s) in enumerate(zip(metas, layout)):
+        sharded[i] = {k: piece(i, k, s.start, s.end) for k in meta["sharded"]}
+        replicated[i] = dict(meta["replicated_values"])
+        replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}") for k in meta["replicated_tensors"]})
+    groups = _restore_types(index["param_groups"], optimizer.param_groups)
+    optimizer.load_checkpoint_state(sharded, replicated, groups, index.get("extra", {}))

@@ -1,0 +1,109 @@
+"""Configuration of FP8 communication: one frozen, validated object shared by every rank.
+
+Every rank of a group must use an equal :class:`Fp8CommConfig` (same dtypes, threshold and
+scale mode): the sender's choices decide what bytes go on the wire, and the receiver decodes
+them with its own copy of the config.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+FP8_COMM_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ALL_GATHER_SCALE_MODES = ("per_rank", "shared")
+CAST_IMPLS = ("auto", "torch", "triton")
+
+# Provisional: below 64 Ki elements (128 KiB of BF16) a collective is latency-bound and the extra
+# cast kernels cannot pay for themselves. Replace with the crossover measured by bench/comm.py on
+# the target machine (it prints a suggested value).
+DEFAULT_MIN_NUMEL = 65536
+# Provisional too: 8 MiB of FP8 per pipeline stage (a 64 MB BF16 all-gather runs in 4 stages).
+DEFAULT_PIPELINE_BYTES = 8 << 20
+MAX_PIPELINE_STAGES = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8CommConfig:
+    """How FP8 collectives and communication hooks put tensors on the wire.
+
+    Example:
+        >>> import torch
+        >>> from fp8boost.parallel.comm_config import Fp8CommConfig
+        >>> cfg = Fp8CommConfig(min_numel=1 << 20)
+        >>> cfg.param_dtype, cfg.grad_dtype
+        (torch.float8_e4m3fn, torch.float8_e5m2)
+    """
+
+    enabled: bool = True
+    """Master switch. ``False`` runs every fp8 collective as the plain collective in the input's
+    own dtype (logged once per collective), which makes A/B comparisons one flag away."""
+
+    param_dtype: torch.dtype = torch.float8_e4m3fn
+    """FP8 format for activations and parameters (all-gather, all-to-all, send/recv): e4m3 keeps
+    3 mantissa bits (relative rounding error <= 2**-4)."""
+
+    grad_dtype: torch.dtype = torch.float8_e5m2
+    """FP8 format for gradients (reduce-scatter, all-reduce, the DDP hook): e5m2 trades one
+    mantissa bit (relative error <= 2**-3) for a 2**32 dynamic range, which gradients of very
+    different magnitudes sharing one scale need."""
+
+    min_numel: int = DEFAULT_MIN_NUMEL
+    """Collectives whose payload has fewer elements than this run in the input dtype instead
+    (logged once per collective): small messages are latency-bound, so the cast kernels cost more
+    than the bytes they save. The payload is the full, unsharded tensor (all-gather output,
+    reduce-scatter input, all-reduce tensor, send/recv tensor). all-to-all never applies it, since
+    its payload differs between ranks and a per-rank choice could deadlock. Set 0 to always use
+    FP8."""
+
+    power_of_2_scale: bool = True
+    """Round every scale down to a power of two. Scaling and de-scaling are then exact in BF16
+    and FP32, so the cast needs no FP32 temporary and dequantization writes the output dtype
+    directly; the cost is at most one binade of the FP8 subnormal range (precision of normal
+    values is unchanged)."""
+
+    all_gather_scale: str = "per_rank"
+    """``per_rank``: each rank scales its shard by its own amax and the FP32 inverse scale travels
+    in the same all-gather as the data (one collective, best precision). ``shared``: one scale
+    from an all-reduce(MAX) of the amaxes first (an extra tiny collective), so the gathered bytes
+    form one FP8 tensor with one scale, as an FP8 GEMM consumer needs."""
+
+    pipeline_bytes: int = DEFAULT_PIPELINE_BYTES
+    """Split all-gather, reduce-scatter and all-reduce into stages of about this many FP8 bytes
+    of payload (at most 8 stages; 0 = one stage). Stage k+1 is cast while stage k is on the
+    wire, and stage k is decoded while k+1 is: the casts, which cost as much memory traffic as
+    the bytes they save, overlap the transfer instead of adding to it. Each stage also gets its
+    own scale (finer than one per chunk)."""
+
+    cast_impl: str = "auto"
+    """Who quantizes/dequantizes: ``torch`` (reference ops, any device), ``triton`` (fused kernels,
+    CUDA sm89+), ``auto`` (triton on CUDA sm89+, else torch)."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_numel", "pipeline_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Fp8CommConfig.{name} must be an int, "
+                                f"got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"Fp8CommConfig.{name} must be >= 0, got {value}")
+        for name in ("enabled", "power_of_2_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Fp8CommConfig.{name} must be a bool, "
+                                f"got {type(getattr(self, name)).__name__}")
+        for name in ("param_dtype", "grad_dtype"):
+            value = getattr(self, name)
+            if value not in FP8_COMM_DTYPES:
+                raise ValueError(f"Fp8CommConfig.{name}={value!r} is not supported; use "
+                                 "torch.float8_e4m3fn or torch.float8_e5m2")
+        if self.all_gather_scale not in ALL_GATHER_SCALE_MODES:
+            raise ValueError(f"Fp8CommConfig.all_gather_scale={self.all_gather_scale!r} is not "
+                             f"supported; use one of {ALL_GATHER_SCALE_MODES}")
+        if self.cast_impl not in CAST_IMPLS:
+            raise ValueError(f"Fp8CommConfig.cast_impl={self.cast_impl!r} is not supported; "
+                             f"use one of {CAST_IMPLS}")
+
+    def replace(self, **changes) -> "Fp8CommConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,292 @@
+"""FSDP2 (``fully_shard``) with FP8 parameter all-gather and FP8 gradient reduce-scatter.
+
+Two independent pieces, each feature-detected at call time (no silent fallback: a missing torch
+feature raises, naming what is needed):
+
+* **FP8 parameter all-gather** -- :class:`Fp8AllGatherWeight`, a weight tensor subclass with
+  FSDP2's all-gather extension hooks. ``fsdp_pre_all_gather`` casts the local shard to e4m3 with
+  a scale shared by the shard group (all-reduce(MAX) of the shard amaxes, or a scale
+  precomputed for all weights at once by :func:`precompute_fp8_all_gather_scales`) and hands
+  FSDP the bytes as ``uint8`` (NCCL and gloo reject float8); ``fsdp_post_all_gather``
+  dequantizes into the unsharded parameter in FSDP's ``param_dtype``. The scale is shared
+  because FSDP requires every all-gather input to have the padded shard shape, so there is no
+  room for per-rank scales, and one scale makes the gathered bytes one FP8 tensor. Install with
+  :func:`enable_fp8_all_gather` *before* ``fully_shard``. Hooks used:
+  ``fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)`` (the 5-argument
+  form, torch >= 2.5) and ``fsdp_post_all_gather(..., out=None)``. Tested on torch 2.13 (CPU,
+  gloo); the same hooks exist in 2.11. Only dim-0 sharding (FSDP's default) is supported.
+* **FP8 gradient reduce-scatter** -- :class:`Fp8ReduceScatter`, installed on every FSDP module
+  by :func:`set_fp8_reduce_scatter` through ``FSDPModule.set_custom_reduce_scatter`` (added by
+  pytorch/pytorch#155189 in mid-2025; present in 2.11 and 2.13). It runs
+  :func:`reduce_scatter_tensor_fp8` (e5m2 by default) with FSDP's op (AVG, SUM or
+  PREMUL_SUM).
+
+Example:
+    >>> from torch.distributed.fsdp import fully_shard                       # doctest: +SKIP
+    >>> enable_fp8_all_gather(model)                                          # doctest: +SKIP
+    >>> for block in model.layers: fully_shard(block)                         # doctest: +SKIP
+    >>> fully_shard(model); set_fp8_reduce_scatter(model)                     # doctest: +SKIP
+    >>> # after each optimizer.step(): one all-reduce for every weight's scale
+    >>> precompute_fp8_all_gather_scales(model)                               # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fp8boost.fp8.scaling import amax, scale_from_amax
+
+from .comm_config import Fp8CommConfig
+from ._comm_utils import _cast_impl
+from .fp8_comm import reduce_scatter_tensor_fp8
+from .fp8_wire import cast_rows_into, decode_rows_into
+
+__all__ = ["Fp8AllGatherWeight", "Fp8ReduceScatter", "enable_fp8_all_gather",
+           "set_fp8_reduce_scatter", "precompute_fp8_all_gather_scales"]
+
+aten = torch.ops.aten
+# Ops through which the subclass survives: FSDP pads, slices, views and copies the local shard
+# (and moves it between devices) and must still find the hooks on the result.
+_PRESERVE_OPS = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
+                 aten.copy_.default, aten.view.default, aten.as_strided.default,
+                 aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
+                 aten.clone.default, aten.detach.default}
+
+try:  # the abstract base of FSDP2 custom comms (torch with set_custom_reduce_scatter)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # older torch: set_fp8_reduce_scatter raises before this class is used
+    _ReduceScatterBase = object
+
+
+class Fp8AllGatherWeight(torch.Tensor):
+    """A parameter's data that FSDP2 all-gathers as FP8 (see the module docstring).
+
+    Behaves as its inner high-precision tensor for every op (optimizer updates modify the inner
+    tensor in place); only FSDP's all-gather extension hooks differ.
+    """
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, config: Fp8CommConfig):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: torch.Tensor, config: Fp8CommConfig) -> None:
+        self._tensor = tensor
+        self._config = config
+        # (scale, version of _tensor when it was computed), from precompute_...().
+        self._precomputed: Optional[tuple[torch.Tensor, int]] = None
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        config: list[Fp8CommConfig] = []
+
+        def unwrap(t: "Fp8AllGatherWeight") -> torch.Tensor:
+            config.append(t._config)
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVE_OPS:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config[0]), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], {"config": self._config}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner["_tensor"], meta["config"])
+
+    def __repr__(self) -> str:
+        return f"Fp8AllGatherWeight({self._tensor!r}, wire={self._config.param_dtype})"
+
+    def _shared_scale(self, mesh) -> torch.Tensor:
+        pre = self._precomputed
+        if pre is not None and pre[1] == self._tensor._version:
+            return pre[0]
+        a = amax(self._tensor)
+        _all_reduce_max_over_mesh(a, mesh)
+        cfg = self._config
+        return scale_from_amax(a, cfg.param_dtype, 0, cfg.power_of_2_scale)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """Cast the local shard (padded to FSDP's padded shard shape) to FP8 bytes."""
+        cfg = self._config
+        local = self._tensor
+        ws = mesh.size()
+        if tuple(local.shape[1:]) != tuple(outer_size[1:]):
+            raise NotImplementedError("Fp8AllGatherWeight supports FSDP's dim-0 sharding only; "
+                                      f"got shard {tuple(local.shape)} of {tuple(outer_size)}")
+        rows = -(-outer_size[0] // ws)  # FSDP pads every shard to ceil(dim0 / world) rows
+        data = torch.zeros((rows, *local.shape[1:]), dtype=torch.uint8, device=local.device)
+        scale = self._shared_scale(mesh)
+        n = local.numel()
+        if n:
+            cast_rows_into(local.contiguous().view(1, n), scale.reshape(1),
+                           data.view(-1)[:n].view(1, n), cfg.param_dtype,
+                           power_of_2=cfg.power_of_2_scale, impl=_cast_impl(cfg, local.device))
+        return (data,), (scale.reciprocal(),)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """Dequantize the gathered FP8 bytes into the unsharded parameter (``param_dtype``)."""
+        (data,) = all_gather_outputs
+        (inv,) = metadata
+        cfg = self._config
+        impl = _cast_impl(cfg, data.device)
+        if out is not None:
+            target = getattr(out, "_local_tensor", out)  # DTensor (FSDP + TP) or plain
+            rows = target.shape[0]
+            row = math.prod(target.shape[1:])
+            # Refill in place without bumping the version counter: autograd saved this tensor
+            # in forward and would otherwise reject it in backward.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+                _decode_into(data[:rows].reshape(rows, row), inv, target, cfg, impl)
+            return None
+        full = torch.empty(data.shape, dtype=param_dtype, device=data.device)
+        with torch.no_grad():
+            _decode_into(data.reshape(data.shape[0], -1), inv, full, cfg, impl)
+        return full, (full,)
+
+
+def _decode_into(data2d: torch.Tensor, inv: torch.Tensor, target: torch.Tensor,
+                 cfg: Fp8CommConfig, impl: str) -> None:
+    n = data2d.numel()
+    dst = target if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype,
+                                                            device=target.device)
+    decode_rows_into(data2d.reshape(1, n), inv.reshape(1).float(), cfg.param_dtype,
+                     dst.view(1, n), power_of_2=cfg.power_of_2_scale, impl=impl)
+    if dst is not target:
+        target.copy_(dst)
+
+
+def _all_reduce_max_over_mesh(t: torch.Tensor, mesh) -> None:
+    if mesh is None or mesh.size() == 1:
+        return
+    for dim in range(mesh.ndim):  # HSDP meshes: one scale across the whole mesh is still valid
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
+class Fp8ReduceScatter(_ReduceScatterBase):
+    """FSDP2 custom reduce-scatter running :func:`reduce_scatter_tensor_fp8`."""
+
+    def __init__(self, config: Optional[Fp8CommConfig] = None) -> None:
+        self.config = config or Fp8CommConfig()
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Plain caching-allocator buffers (FSDP's default)."""
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        return reduce_scatter_tensor_fp8(output_tensor, input_tensor, group, op=op,
+                                         fp8_dtype=self.config.grad_dtype, async_op=async_op,
+                                         config=self.config)
+
+
+def _default_filter(module: nn.Module, fqn: str) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def enable_fp8_all_gather(model: nn.Module, config: Optional[Fp8CommConfig] = None,
+                          module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None
+                          ) -> list[str]:
+    """Wrap the weights of selected modules in :class:`Fp8AllGatherWeight`, in place.
+
+    Call before ``fully_shard``. Tied weights stay tied (the one Parameter is replaced
+    everywhere it appears).
+
+    Args:
+        model: the model.
+        config: :class:`Fp8CommConfig` (wire format ``param_dtype``; ``enabled=False`` wraps
+            nothing).
+        module_filter_fn: ``(module, fqn) -> bool``; default: every ``nn.Linear``
+            (Fp8Linear included).
+
+    Returns:
+        Qualified names of the wrapped weights.
+
+    Example:
+        >>> names = enable_fp8_all_gather(model)                         # doctest: +SKIP
+    """
+    cfg = config or Fp8CommConfig()
+    if not isinstance(cfg, Fp8CommConfig):
+        raise TypeError(f"config must be an Fp8CommConfig, got {type(cfg).__name__}")
+    if not cfg.enabled:
+        return []
+    keep = module_filter_fn or _default_filter
+    replaced: dict[int, nn.Parameter] = {}
+    names: list[str] = []
+    for fqn, mod in model.named_modules():
+        w = mod._parameters.get("weight")
+        if w is None or not keep(mod, fqn) or id(w) in replaced:
+            continue
+        if isinstance(w.data, Fp8AllGatherWeight) or type(w.data) is not torch.Tensor:
+            raise ValueError(f"{fqn}.weight is a {type(w.data).__name__}, not a plain tensor: "
+                             "call enable_fp8_all_gather once, before fully_shard / "
+                             "parallelize_module")
+        if not w.is_floating_point():
+            continue
+        replaced[id(w)] = nn.Parameter(Fp8AllGatherWeight(w.data, cfg),
+                                       requires_grad=w.requires_grad)
+        names.append(f"{fqn}.weight" if fqn else "weight")
+    for mod in model.modules():  # second pass: also swap every tied occurrence
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and id(p) in replaced:
+                mod._parameters[pname] = replaced[id(p)]
+    return names
+
+
+def set_fp8_reduce_scatter(model: nn.Module, config: Optional[Fp8CommConfig] = None) -> int:
+    """Install :class:`Fp8ReduceScatter` on every FSDP2 module in ``model``; returns the count.
+
+    Raises:
+        NotImplementedError: the installed torch has no ``FSDPModule.set_custom_reduce_scatter``.
+        ValueError: ``model`` contains no ``fully_shard`` module.
+    """
+    from torch.distributed.fsdp import FSDPModule  # noqa: WPS433 (only when FSDP is used)
+
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise NotImplementedError(
+            f"torch {torch.__version__} has no FSDPModule.set_custom_reduce_scatter (added mid-2025"
+            ", pytorch/pytorch#155189): upgrade torch, or keep FSDP's BF16/FP32 reduce-scatter")
+    comm = Fp8ReduceScatter(config)
+    count = 0
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_custom_reduce_scatter(comm)
+            count += 1
+    if count == 0:
+        raise ValueError("set_fp8_reduce_scatter found no fully_shard module: call it after "
+                         "fully_shard")
+    return count
+
+
+@torch.no_grad()
+def precompute_fp8_all_gather_scales(model: nn.Module) -> int:
+    """One all-reduce(MAX) for the all-gather scales of every FP8-gathered weight.
+
+    Call after each optimizer step; without it each weight pays a tiny all-reduce in its own
+    ``fsdp_pre_all_gather``. A scale is used only while its weight is unchanged (the version
+    counter is checked), so a stale scale is never applied. Returns the number of weights.
+    """
+    by_mesh: dict[Any, list[Fp8AllGatherWeight]] = {}
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p)
+        if isinstance(local, Fp8AllGatherWeight):
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(local)
+    for mesh, weights in by_mesh.items():
+        amaxes = torch.stack([amax(w._tensor) for w in weights])
+        _all_reduce_max_over_mesh(amaxes, mesh)
+        for w, a in zip(weights, amaxes):
+            scale = scale_from_amax(a, w._config.param_dtype, 0, w._config.power_of_2_scale)
+            w._precomputed = (scale, w._tensor._version)
+    return sum(len(ws) for ws in by_mesh.values())

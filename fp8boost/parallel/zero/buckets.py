@@ -1,0 +1,257 @@
+"""Bucketed collectives of the ZeRO optimizer: gradient reduction and parameter all-gather.
+
+Gradients are packed into flat buckets of about ``bucket_numel`` elements (one bucket per
+dtype/device) and reduced with one collective per bucket:
+
+* stage 1: all-reduce of the concatenated full gradients; every rank gets the averaged full
+  gradient back in ``param.grad`` (ZeRO-1 keeps gradients replicated);
+* stage 2: reduce-scatter of a ``[world, S]`` bucket whose row ``r`` holds rank ``r``'s chunk of
+  every parameter in the bucket, so each rank receives exactly its own chunks (ZeRO-2 keeps
+  only 1/world of the gradients; ``param.grad`` is freed as soon as it is packed).
+
+With ``overlap`` a bucket is launched (asynchronously) from the post-accumulate-grad hook the
+moment it fills, so communication runs while autograd computes the remaining gradients; the
+last, partial bucket is launched and everything is waited for in ``flush()`` at the end of
+backward. At most ``MAX_IN_FLIGHT`` buckets are in flight: launching one more first finishes the
+oldest, so bucket buffers never add up to a full copy of the gradients (ZeRO-2's point).
+
+Sums are taken by the collective (SUM: gloo has no AVG) and divided by ``world`` in FP32.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .sharding import ParamShard, padded_rows
+
+
+class Collectives:
+    """The three collectives ZeRO needs, plain or FP8 (``fp8boost.parallel.fp8_comm``).
+
+    All calls are asynchronous and return a handle with ``wait()``.
+    """
+
+    def __init__(self, group, fp8: bool = False, comm_config=None) -> None:
+        self.group = group
+        self.fp8 = fp8
+        self.comm_config = comm_config
+        self._fp8_comm = None
+        if fp8:
+            # Imported only when asked for: the FP8 collectives are an optional layer.
+            from fp8boost.parallel import fp8_comm
+            self._fp8_comm = fp8_comm
+
+    def _fp8_kwargs(self, role: str) -> dict:
+        cfg = self.comm_config
+        kw: dict = {"async_op": True, "config": cfg}
+        if cfg is not None:
+            kw["fp8_dtype"] = cfg.param_dtype if role == "param" else cfg.grad_dtype
+        return kw
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        if self.fp8:
+            return self._fp8_comm.reduce_scatter_tensor_fp8(
+                out, inp, self.group, op="sum", **self._fp8_kwargs("grad"))
+        return _reduce_scatter_single(out, inp, self.group)
+
+    def all_reduce(self, tensor: torch.Tensor):
+        if self.fp8:
+            return self._fp8_comm.all_reduce_fp8(tensor, self.group, op="sum",
+                                                 **self._fp8_kwargs("grad"))
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, fp8: bool = True):
+        if self.fp8 and fp8:
+            return self._fp8_comm.all_gather_into_tensor_fp8(
+                out, inp, self.group, **self._fp8_kwargs("param"))
+        return _all_gather_single(out, inp, self.group)
+
+
+# torch >= 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (which now warn).
+def _all_gather_single(out, inp, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _reduce_scatter_single(out, inp, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+MAX_IN_FLIGHT = 2
+
+
+class GradReducer:
+    """Packs ready gradients into buckets and reduces them (see module docstring).
+
+    Args:
+        params: the working parameters, in global index order.
+        shards: this rank's ``ParamShard`` of each parameter.
+        world: data-parallel world size (> 1).
+        stage: 1 (all-reduce) or 2 (reduce-scatter).
+        bucket_numel: launch a bucket once it holds this many (padded) elements.
+        overlap: launch full buckets from the hook instead of waiting for ``flush()``.
+        comm: the collectives to use.
+        accumulate: stage 2 callback ``fn(index, reduced_chunk_fp32)`` adding a (already
+            averaged) chunk into the optimizer's FP32 gradient shard.
+    """
+
+    def __init__(self, params: list[torch.Tensor], shards: list[ParamShard], world: int,
+                 stage: int, bucket_numel: int, overlap: bool, comm: Collectives,
+                 accumulate: Callable[[int, torch.Tensor], None]) -> None:
+        self.params, self.shards, self.world, self.stage = params, shards, world, stage
+        self.bucket_numel, self.overlap, self.comm = bucket_numel, overlap, comm
+        self.accumulate = accumulate
+        self._open: dict[tuple, list[int]] = {}
+        self._open_numel: dict[tuple, int] = {}
+        self._closed: list[tuple[tuple, list[int]]] = []  # full buckets waiting for flush()
+        self._pending: list[tuple] = []
+
+    def mark_ready(self, index: int) -> None:
+        """Queue a parameter whose gradient is final for this backward."""
+        grad = self.params[index].grad
+        if grad is None or self.shards[index].numel == 0:
+            return
+        key = (grad.dtype, grad.device)
+        self._open.setdefault(key, []).append(index)
+        self._open_numel[key] = self._open_numel.get(key, 0) + self.shards[index].chunk * self.world
+        if self._open_numel[key] >= self.bucket_numel:
+            items = self._open.pop(key)
+            self._open_numel.pop(key)
+            if self.overlap:
+                self._launch(key, items)
+            else:
+                self._closed.append((key, items))
+
+    def flush(self) -> None:
+        """Launch every queued gradient, wait for all reductions and apply their results."""
+        closed, self._closed = self._closed, []
+        for key, items in closed:
+            self._launch(key, items)
+        for key in list(self._open):
+            self._open_numel.pop(key)
+            self._launch(key, self._open.pop(key))
+        while self._pending:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, items, buf = self._pending.pop(0)
+        _wait(work)
+        if self.stage == 1:
+            self._unpack_all_reduce(items, buf)
+        else:
+            self._unpack_reduce_scatter(items, buf)
+
+    def _launch(self, key: tuple, items: list[int]) -> None:
+        if not items:
+            return
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self._finish_oldest()
+        dtype, device = key
+        if self.stage == 1:
+            flat = torch.cat([self.params[i].grad.reshape(-1) for i in items])
+            self._pending.append((self.comm.all_reduce(flat), items, flat))
+            return
+        total = sum(self.shards[i].chunk for i in items)
+        flat = torch.empty(self.world, total, dtype=dtype, device=device)
+        off = 0
+        for i in items:
+            s, p = self.shards[i], self.params[i]
+            padded_rows(p.grad.reshape(-1), s.chunk, self.world, flat[:, off:off + s.chunk])
+            off += s.chunk
+            p.grad = None  # ZeRO-2: the full gradient is not kept once packed
+        out = torch.empty(total, dtype=dtype, device=device)
+        self._pending.append((self.comm.reduce_scatter(out, flat.view(-1)), items, (out, flat)))
+
+    def _unpack_all_reduce(self, items: list[int], flat: torch.Tensor) -> None:
+        off = 0
+        for i in items:
+            g = self.params[i].grad
+            n = g.numel()
+            # Divide in FP32 so a non-power-of-two world size does not round twice.
+            g.copy_((flat[off:off + n].float() / self.world).view_as(g))
+            off += n
+
+    def _unpack_reduce_scatter(self, items: list[int], bufs: tuple) -> None:
+        out, _ = bufs
+        off = 0
+        for i in items:
+            c = self.shards[i].chunk
+            self.accumulate(i, out[off:off + c].float().div_(self.world))
+            off += c
+
+
+def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
+                      masters: list[torch.Tensor], world: int, bucket_numel: int,
+                      comm: Optional[Collectives], fp8_mask: Optional[list[bool]] = None) -> None:
+    """Write the updated master chunks back into the (replicated) working parameters.
+
+    ``fp8_mask[i]`` says whether parameter ``i`` travels in FP8 (when ``comm`` is an FP8 one);
+    the others go in their own dtype. Buckets are double-buffered: bucket k+1 is in flight while
+    bucket k is unpacked, so at most two buckets of gathered parameters exist at once.
+    """
+    with torch.no_grad():
+        if world == 1:
+            for p, s, m in zip(params, shards, masters):
+                # copy_ on the Parameter itself bumps its version: FP8 weight caches see it.
+                p.copy_(m[: s.numel].view(s.shape))
+            return
+        mask = fp8_mask if (fp8_mask is not None and comm.fp8) else [False] * len(params)
+        in_flight: deque = deque()
+        for bucket in _gather_buckets(params, shards, mask, world, bucket_numel):
+            in_flight.append(_launch_gather(bucket, params, shards, masters, world, comm, mask))
+            if len(in_flight) > 1:
+                _finish_gather(in_flight.popleft(), params, shards, world)
+        while in_flight:
+            _finish_gather(in_flight.popleft(), params, shards, world)
+
+
+def _gather_buckets(params, shards, mask, world, bucket_numel):
+    buckets: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    for i, p in enumerate(params):
+        if shards[i].numel == 0:
+            continue
+        key = (p.dtype, p.device, mask[i])
+        buckets.setdefault(key, []).append(i)
+        sizes[key] = sizes.get(key, 0) + shards[i].chunk * world
+        if sizes[key] >= bucket_numel:
+            yield buckets.pop(key)
+            sizes.pop(key)
+    yield from (b for b in buckets.values() if b)
+
+
+def _launch_gather(items, params, shards, masters, world, comm, mask):
+    p0 = params[items[0]]
+    fp8 = mask[items[0]]
+    total = sum(shards[i].chunk for i in items)
+    # FP8 on the wire: quantize straight from the FP32 masters (no BF16 double rounding).
+    in_dtype = masters[items[0]].dtype if fp8 else p0.dtype
+    inp = torch.empty(total, dtype=in_dtype, device=p0.device)
+    off = 0
+    for i in items:
+        c = shards[i].chunk
+        inp[off:off + c].copy_(masters[i], non_blocking=True)
+        off += c
+    out = torch.empty(world * total, dtype=p0.dtype, device=p0.device)
+    return comm.all_gather(out, inp, fp8=fp8), items, out, total
+
+
+def _finish_gather(entry, params, shards, world) -> None:
+    work, items, out, total = entry
+    _wait(work)
+    rows = out.view(world, total)
+    off = 0
+    for i in items:
+        s = shards[i]
+        full = rows[:, off:off + s.chunk].reshape(-1)[: s.numel]
+        params[i].copy_(full.view(s.shape))
+        off += s.chunk

@@ -1,0 +1,382 @@
+"""ZeRO stage 1/2 optimizer wrapper: low-precision working params, sharded FP32 master state.
+
+Layout per data-parallel rank (``world`` ranks, see ``sharding.py``):
+
+* working parameters (BF16/FP16/FP32) stay replicated in the model, as the user built it;
+* FP32 master weights and the wrapped optimizer's state exist only for this rank's chunk of
+  each parameter (1/world of the model), optionally on the CPU (``cpu_offload``);
+* gradients are reduced in buckets during backward (``buckets.GradReducer``): all-reduced
+  (stage 1) or reduce-scattered (stage 2) into FP32 gradient chunks;
+* ``step()`` unscales (FP16), checks for overflow on every rank, clips by the global norm,
+  steps the wrapped optimizer on the master chunks and all-gathers the updated chunks back into
+  the working parameters (in FP8 when ``fp8_communication``).
+
+With ``dp_group=None`` (world 1) no collective is ever issued: the same class is then the plain
+mixed-precision "master weights" optimizer used by ``Booster(mixed_precision=...)`` and by DDP.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .buckets import Collectives, GradReducer, _all_gather_single, all_gather_params
+from .loss_scaler import DynamicLossScaler
+from .sharding import ParamShard, make_shard
+
+
+class ZeroOptimizer:
+    """Wrap a torch optimizer so its master weights and state are sharded over ``dp_group``.
+
+    Build the torch optimizer on the model's (already low-precision) parameters, then wrap it.
+    Call ``backward(loss)`` (not ``loss.backward()``) so FP16 loss scaling and the end-of-backward
+    gradient flush happen; ``step()`` and ``zero_grad()`` as usual.
+
+    Args:
+        optimizer: a fresh ``torch.optim.Optimizer`` (no state yet) over the model parameters.
+        dp_group: data-parallel process group; None means a single rank (no communication).
+        stage: 1 (replicated gradients, all-reduce) or 2 (sharded gradients, reduce-scatter).
+        master_weights: keep FP32 master chunks; False steps directly in the parameter dtype.
+        overlap_communication: launch gradient buckets during backward as they fill.
+        reduce_bucket_numel: bucket size in elements for gradient reduction and param gather.
+        max_norm: clip gradients to this global norm at every step (0 disables).
+        cpu_offload: keep master chunks and optimizer state on the CPU; the step runs there.
+        loss_scaler: a ``DynamicLossScaler`` for FP16 (None for BF16/FP32).
+        fp8_communication: reduce gradients with FP8 payloads, and all-gather ``fp8_params``
+            with FP8 payloads.
+        comm_config: ``Fp8CommConfig`` passed to the FP8 collectives.
+        fp8_params: with ``fp8_communication``, the parameters all-gathered in FP8 (None: all).
+            The others are gathered in their own dtype.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        >>> opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))  # world 1
+        >>> opt.backward(model(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean())
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, dp_group=None, stage: int = 2,
+                 master_weights: bool = True, overlap_communication: bool = True,
+                 reduce_bucket_numel: int = 12 * 1024 * 1024, max_norm: float = 0.0,
+                 cpu_offload: bool = False, loss_scaler: Optional[DynamicLossScaler] = None,
+                 fp8_communication: bool = False, comm_config=None,
+                 fp8_params: Optional[Iterable[torch.Tensor]] = None) -> None:
+        self.validate(optimizer)
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if not isinstance(reduce_bucket_numel, int) or reduce_bucket_numel < 1:
+            raise ValueError(f"reduce_bucket_numel must be a positive int, got {reduce_bucket_numel!r}")
+        if not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+            raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm!r}")
+        self.optim = optimizer
+        self.dp_group = dp_group
+        self.world = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.stage, self.master_weights, self.overlap = stage, master_weights, overlap_communication
+        self.bucket_numel, self.max_norm, self.cpu_offload = reduce_bucket_numel, float(max_norm), cpu_offload
+        self.loss_scaler = loss_scaler
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.shards: list[ParamShard] = [make_shard(i, p, self.world, self.rank)
+                                         for i, p in enumerate(self.params)]
+        self.masters: list[torch.Tensor] = [self._make_master(p, s)
+                                            for p, s in zip(self.params, self.shards)]
+        it = iter(self.masters)
+        for group in optimizer.param_groups:  # the wrapped optimizer now steps the master chunks
+            group["params"] = [next(it) for _ in group["params"]]
+        self._grad_shards: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        self._comm = (Collectives(dp_group, fp8_communication, comm_config)
+                      if self.world > 1 else None)
+        self._reducer = (GradReducer(self.params, self.shards, self.world, stage,
+                                     reduce_bucket_numel, overlap_communication, self._comm,
+                                     self._accumulate) if self.world > 1 else None)
+        fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
+        self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
+                                for p in self.params]
+        self._sync = True
+        self._unsynced_grads = False
+        self._prepared = False
+        self._found_inf = False
+        self._hooks = []
+        if self.world > 1:
+            for i, p in enumerate(self.params):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+
+    @staticmethod
+    def validate(optimizer: torch.optim.Optimizer) -> None:
+        """Raise before any communication if ``optimizer`` cannot be wrapped."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if len(optimizer.state) > 0:
+            raise ValueError("the optimizer already has state (was it stepped?); build a fresh one "
+                             "for boost() and restore state with booster.load_optimizer()")
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("a parameter appears twice in the optimizer's param_groups; "
+                                     "pass each parameter once")
+                seen.add(id(p))
+                if not p.is_floating_point():
+                    raise TypeError(f"optimizer parameters must be floating point, got {p.dtype}")
+
+    # ---------------------------------------------------------------- torch.optim-like surface
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optim.defaults
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, "
+                f"master_weights={self.master_weights}, cpu_offload={self.cpu_offload}, "
+                f"optimizer={type(self.optim).__name__})")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()`` with loss scaling, then finish this backward's gradient reduction."""
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        loss.backward(retain_graph=retain_graph)
+        if self._sync and self._reducer is not None:
+            self._reducer.flush()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block.
+
+        The first backward outside the block reduces everything accumulated so far, so
+        ``k`` micro-batches under ``no_sync`` plus one outside equal one large batch.
+        """
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+        self._grad_shards = [None] * len(self.params)
+        self._prepared = self._found_inf = False
+        self._unsynced_grads = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (unscaled, averaged) gradients to a global norm over all shards.
+
+        Returns the total norm before clipping (Inf when FP16 gradients overflowed).
+        """
+        self._prepare_grads()
+        if self._found_inf:
+            return torch.tensor(float("inf"))
+        total = self._global_norm(norm_type)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in self._grad_shards:
+                if g is not None:
+                    g.mul_(coef)
+        return total
+
+    def step(self, closure=None) -> None:
+        """Reduce (if still pending), unscale, clip, step the master chunks, gather params."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step() takes no closure; compute the loss first")
+        self._prepare_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self._found_inf)
+        if self._found_inf:  # skip the step on every rank alike (found_inf was all-reduced)
+            self.zero_grad()
+            return
+        if self.max_norm > 0:
+            self.clip_grad_norm_(self.max_norm)
+        for m, g in zip(self.masters, self._grad_shards):
+            m.grad = None if g is None else g.to(device=m.device, dtype=m.dtype)
+        self.optim.step()
+        for m in self.masters:
+            m.grad = None
+        all_gather_params(self.params, self.shards, self.masters, self.world,
+                          self.bucket_numel, self._comm, self.fp8_gather_mask)
+        self.zero_grad()
+
+    # ---------------------------------------------------------------------------- internals
+    def _make_master(self, p: torch.Tensor, s: ParamShard) -> torch.Tensor:
+        dtype = torch.float32 if self.master_weights else p.dtype
+        device = torch.device("cpu") if self.cpu_offload else p.device
+        master = torch.zeros(s.chunk, dtype=dtype, device=device)
+        master[: s.length].copy_(p.detach().reshape(-1)[s.start:s.end])
+        return master
+
+    def _hook(self, index: int):
+        def hook(_param: torch.Tensor) -> None:
+            if not self._sync:
+                self._unsynced_grads = True
+                return
+            self._unsynced_grads = False
+            self._reducer.mark_ready(index)
+        return hook
+
+    def _accumulate(self, index: int, chunk: torch.Tensor) -> None:
+        cur = self._grad_shards[index]
+        self._grad_shards[index] = chunk if cur is None else cur.add_(chunk)
+
+    def _prepare_grads(self) -> None:
+        """Once per step: finish reduction, take FP32 chunks, unscale, detect overflow."""
+        if self._prepared:
+            return
+        if self._unsynced_grads:
+            raise RuntimeError("gradients were accumulated under no_sync() but never reduced: run "
+                               "the last micro-batch's backward outside no_sync() before step()")
+        if self._reducer is not None:
+            self._reducer.flush()  # no-op after optimizer.backward(); needed after loss.backward()
+        if self.world == 1 or self.stage == 1:
+            for i, (p, s) in enumerate(zip(self.params, self.shards)):
+                if p.grad is not None:
+                    self._grad_shards[i] = self._chunk_of(p.grad, s)
+        grads = [g for g in self._grad_shards if g is not None]
+        if self.loss_scaler is not None:
+            inv = 1.0 / self.loss_scaler.scale
+            found = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+            for g in grads:
+                found = torch.maximum(found, (~torch.isfinite(g)).any().to(found))
+                g.mul_(inv)
+            if self.world > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp_group)
+            self._found_inf = bool(found.item())
+        self._prepared = True
+
+    def _chunk_of(self, grad: torch.Tensor, s: ParamShard) -> torch.Tensor:
+        flat = grad.detach().reshape(-1)
+        if s.chunk == s.numel and s.start == 0:
+            return flat.float().clone() if flat.dtype == torch.float32 else flat.float()
+        out = torch.zeros(s.chunk, dtype=torch.float32, device=grad.device)
+        out[: s.length].copy_(flat[s.start:s.end])
+        return out
+
+    def _comm_device(self) -> torch.device:
+        for g in self._grad_shards:
+            if g is not None:
+                return g.device
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def _global_norm(self, norm_type: float) -> float:
+        grads = [g for g in self._grad_shards if g is not None]
+        dev = self._comm_device()
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=dev)
+            if self.world > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.dp_group)
+            return float(local)
+        local = (torch.stack([g.norm(norm_type) ** norm_type for g in grads]).sum()
+                 if grads else torch.zeros((), device=dev))
+        if self.world > 1:
+            dist.all_reduce(local, group=self.dp_group)
+        return float(local) ** (1.0 / norm_type)
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def sync_master_from_model(self) -> None:
+        """Re-read master chunks from the working params (after loading model weights)."""
+        with torch.no_grad():
+            for p, s, m in zip(self.params, self.shards, self.masters):
+                m.zero_()
+                m[: s.length].copy_(p.detach().reshape(-1)[s.start:s.end])
+
+    def exact_working_params(self) -> dict[int, torch.Tensor]:
+        """``{id(param): master cast to the param dtype}`` for params gathered in FP8 (collective).
+
+        Their working copies are FP8-rounded; checkpoints should hold the masters' values.
+        """
+        if not any(self.fp8_gather_mask):
+            return {}
+        full = self.full_master_params()
+        return {id(p): w.to(p.dtype) for p, w, fp8 in zip(self.params, full, self.fp8_gather_mask)
+                if fp8}
+
+    def full_master_params(self) -> list[torch.Tensor]:
+        """Every parameter's full master weights (FP32), gathered on every rank (collective)."""
+        out = []
+        for s, m in zip(self.shards, self.masters):
+            chunk = m.to(self.params[s.index].device)
+            if self.world > 1:
+                full = torch.empty(self.world * s.chunk, dtype=m.dtype, device=chunk.device)
+                _all_gather_single(full, chunk, self.dp_group).wait()
+            else:
+                full = chunk
+            out.append(full[: s.numel].view(s.shape).clone())
+        return out
+
+    @property
+    def shard_world_size(self) -> int:
+        """Ranks the state is split over (1: replicated, any rank holds all of it)."""
+        return self.world
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank
+
+    def checkpoint_layout(self) -> list[ParamShard]:
+        """Per parameter: which range of the flattened full state this rank holds."""
+        return list(self.shards)
+
+    def checkpoint_state(self) -> tuple[dict, dict, list[dict], dict]:
+        """This rank's state: (sharded pieces, replicated values, param_groups, extra).
+
+        Sharded pieces are 1-D tensors covering ``[shard.start, shard.end)`` of the flattened
+        full-size state (padding dropped). ``master_param`` holds the FP32 master chunk.
+        """
+        sd = self.optim.state_dict()
+        sharded: dict[int, dict] = {}
+        replicated: dict[int, dict] = {}
+        for i, (s, m) in enumerate(zip(self.shards, self.masters)):
+            sharded[i] = {"master_param": m[: s.length]}
+            replicated[i] = {}
+            for key, value in sd["state"].get(i, {}).items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.shape == m.shape and key != "step":
+                    sharded[i][key] = value[: s.length]
+                else:
+                    replicated[i][key] = value
+        extra = {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler else {}
+        return sharded, replicated, sd["param_groups"], extra
+
+    def load_checkpoint_state(self, sharded: dict, replicated: dict, param_groups: list[dict],
+                              extra: dict) -> None:
+        """Inverse of ``checkpoint_state`` (pieces already cut to this rank's ranges)."""
+        state: dict[int, dict] = {}
+        for i, (s, m) in enumerate(zip(self.shards, self.masters)):
+            entry = dict(replicated.get(i, {}))
+            for key, piece in sharded.get(i, {}).items():
+                full = torch.zeros(s.chunk, dtype=piece.dtype)
+                full[: s.length].copy_(piece.reshape(-1))
+                if key == "master_param":
+                    with torch.no_grad():
+                        m.copy_(full)
+                else:
+                    entry[key] = full
+            if entry:
+                state[i] = entry
+        self.optim.load_state_dict({"state": state, "param_groups": param_groups})
+        if self.loss_scaler is not None and "loss_scaler" in extra:
+            self.loss_scaler.load_state_dict(extra["loss_scaler"])
+        if any("master_param" in d for d in sharded.values()):
+            # Working params = gathered masters, exactly as after a step (FP8-rounded where the
+            # gather is FP8), so a resumed run continues bit-identically.
+            all_gather_params(self.params, self.shards, self.masters, self.world,
+                              self.bucket_numel, self._comm, self.fp8_gather_mask)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer stops working for distributed training)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

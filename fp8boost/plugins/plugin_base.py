@@ -1,0 +1,206 @@
+"""The Plugin base class: everything a training strategy controls, in one place.
+
+A plugin decides, for one training run:
+
+* **model wrapping** - dtype of the working parameters, FP8 conversion of linear layers
+  (``use_fp8``), the engine wrapper (DDP, ZeRO hooks, ...), device placement;
+* **optimizer wrapping** - master weights, sharding of optimizer state, loss scaling,
+  gradient clipping (``max_norm``), how gradients are reduced (and in which format);
+* **dataloader sharding** - each data-parallel rank sees its own part of the data
+  (``DistributedSampler``); ``prepare_dataloader`` builds one from a dataset;
+* **backward / no_sync** - how a loss is backpropagated and how gradient accumulation skips
+  communication;
+* **checkpoint IO** - which process group coordinates a save, who writes, the unwrapped model
+  whose ``state_dict`` is saved, and what must be refreshed after a load.
+
+The ``Booster`` holds one plugin and owns no strategy logic of its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from abc import ABC, abstractmethod
+from typing import ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+
+from .wrappers import ModelWrapper
+
+Boosted = tuple  # (model, optimizer, criterion, dataloader, lr_scheduler)
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> None:
+    """Initialise the default process group if nobody has yet.
+
+    Under ``torchrun`` (``WORLD_SIZE``/``RANK``/``MASTER_ADDR`` set) it joins that job;
+    otherwise it starts a one-process group on localhost, so plugins also work from plain
+    ``python``. The backend is NCCL with CUDA (after ``torch.cuda.set_device(LOCAL_RANK)``),
+    else gloo.
+
+    Example:
+        >>> from fp8boost.plugins import init_distributed
+        >>> init_distributed()  # doctest: +SKIP
+    """
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = backend or ("nccl" if cuda else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if all(k in os.environ for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")):
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    with socket.socket() as s:  # a free port for the one-process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=timeout)
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler) -> None:
+    """Type checks shared by every plugin; raise before anything is moved or communicated."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ModelWrapper):
+        raise ValueError("this model was already boosted; pass the original model to boost() once")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a torch.optim.Optimizer built on model.parameters(), "
+                        f"got {type(optimizer).__name__}")
+    if criterion is not None and not callable(criterion):
+        raise TypeError(f"criterion must be callable, got {type(criterion).__name__}")
+    if dataloader is not None and not isinstance(dataloader, DataLoader):
+        raise TypeError(f"dataloader must be a torch DataLoader, got {type(dataloader).__name__}")
+    if lr_scheduler is not None and optimizer is None:
+        raise ValueError("an lr_scheduler needs its optimizer: pass optimizer= as well")
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("lr_scheduler was built on a different optimizer than the one passed")
+    if optimizer is not None:
+        model_params = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in model_params:
+                    raise ValueError("the optimizer holds a tensor that is not a parameter of the "
+                                     "model; build it from model.parameters()")
+
+
+def shard_dataloader(dataloader: Optional[DataLoader], world: int, rank: int,
+                     seed: int = 1024) -> Optional[DataLoader]:
+    """Rebuild ``dataloader`` so that each of ``world`` ranks reads a disjoint part.
+
+    The per-rank batch size stays the loader's ``batch_size`` (global batch = world x it);
+    a ``RandomSampler`` becomes ``DistributedSampler(shuffle=True, seed=seed)``: call
+    ``loader.sampler.set_epoch(epoch)`` each epoch.
+    """
+    if dataloader is None or world == 1 or isinstance(dataloader.sampler, DistributedSampler):
+        return dataloader
+    if isinstance(dataloader.dataset, IterableDataset):
+        raise TypeError("cannot shard an IterableDataset with DistributedSampler: shard it per rank "
+                        "yourself and pass dataloader=None to boost()")
+    if dataloader.batch_size is None:
+        raise TypeError("cannot shard a DataLoader built with a custom batch_sampler: pass a "
+                        "DataLoader with batch_size=..., or shard it yourself")
+    sampler = DistributedSampler(dataloader.dataset, num_replicas=world, rank=rank,
+                                 shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed,
+                                 drop_last=dataloader.drop_last)
+    extra = {}
+    if dataloader.num_workers > 0:
+        extra = {"prefetch_factor": dataloader.prefetch_factor,
+                 "persistent_workers": dataloader.persistent_workers}
+    return DataLoader(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
+                      num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
+                      pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
+                      timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn, **extra)
+
+
+class Plugin(ABC):
+    """Base class of every training strategy (see the module docstring for what it controls).
+
+    Subclasses implement ``configure``; the defaults below fit plugins whose optimizer wrapper
+    implements ``backward``/``no_sync``/``clip_grad_norm_`` and the checkpoint protocol.
+    """
+
+    #: precisions this plugin accepts
+    supported_precisions: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+    def control_precision(self) -> bool:
+        """True when the plugin's own ``precision`` argument decides the training dtype."""
+        return True
+
+    def set_precision(self, mixed_precision: str) -> None:
+        """Adopt ``Booster(mixed_precision=...)``; plugins that control precision refuse."""
+        raise ValueError(f"{type(self).__name__} sets precision itself: pass precision=... to the "
+                         "plugin and leave Booster(mixed_precision=None)")
+
+    @abstractmethod
+    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
+                  lr_scheduler=None, device=None) -> Boosted:
+        """Wrap everything for training; returns (model, optimizer, criterion, dataloader, lr_scheduler)."""
+
+    # ----------------------------------------------------------------------- process group
+    @property
+    def dp_group(self):
+        """Process group of the data-parallel replicas (None: a single process)."""
+        return dist.group.WORLD if dist.is_initialized() else None
+
+    @property
+    def dp_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+
+    # ------------------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, optimizer) -> None:
+        optimizer.backward(loss)
+
+    def no_sync(self, model=None, optimizer=None) -> ContextManager:
+        return optimizer.no_sync() if optimizer is not None else contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model, optimizer, max_norm: float, norm_type: float = 2.0):
+        return optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False,
+                           seed: int = 1024, drop_last: bool = False, **kwargs) -> DataLoader:
+        """A DataLoader over this rank's part of ``dataset`` (``batch_size`` per rank)."""
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
+                            drop_last=drop_last, **kwargs)
+        return shard_dataloader(loader, self.dp_world_size, self.dp_rank, seed)
+
+    # --------------------------------------------------------------------- checkpoint IO
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The user's model object whose ``state_dict`` is saved and loaded."""
+        return model.unwrap() if isinstance(model, ModelWrapper) else model
+
+    def exact_weights(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """``{id(param): tensor}`` to save instead of working params that are lossy copies
+        (ZeRO's FP8-gathered weights). Collective: every rank calls it."""
+        out: dict[int, torch.Tensor] = {}
+        for opt in getattr(model, "_fp8boost_optimizers", ()):
+            if hasattr(opt, "exact_working_params"):
+                out.update(opt.exact_working_params())
+        return out
+
+    def after_load_model(self, model: nn.Module) -> None:
+        """Refresh derived state (e.g. ZeRO master weights) after model weights were loaded."""
+        for opt in getattr(model, "_fp8boost_optimizers", ()):
+            if hasattr(opt, "sync_master_from_model"):
+                opt.sync_master_from_model()

@@ -1,0 +1,163 @@
+"""Wrappers the plugins hand back from ``boost``: the model and the optimizer.
+
+``ModelWrapper`` casts floating-point inputs to the training dtype (so an FP32 batch can feed a
+BF16 model) and gives ``unwrap()``; attribute lookups it does not know fall through to the
+user's model, so ``model.config`` and friends keep working.
+
+``OptimizerWrapper`` is the thin wrapper used where no master weights are needed (FP32
+training): it adds ``backward``, ``clip_grad_norm_``, optional clipping in ``step`` and the
+checkpoint protocol that ``ZeroOptimizer`` also implements (see ``booster/checkpoint_io.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fp8boost.parallel.zero.sharding import ParamShard, make_shard
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor inside (nested) tuples/lists/dicts to ``dtype``."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (list, tuple)):
+        out = [cast_floating(o, dtype) for o in obj]
+        return type(obj)(*out) if hasattr(obj, "_fields") else type(obj)(out)
+    if isinstance(obj, dict):
+        return type(obj)((k, cast_floating(v, dtype)) for k, v in obj.items())
+    return obj
+
+
+def cast_params_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters in place, keeping the Parameter objects.
+
+    Buffers keep their dtype on purpose: rotary tables and FP8 scaling histories must stay FP32.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+class ModelWrapper(nn.Module):
+    """The model returned by ``Booster.boost``: forwards to ``module``, casting float inputs.
+
+    Args:
+        module: the user's model, or an engine wrapper around it (e.g. ``DistributedDataParallel``).
+        input_dtype: cast floating-point inputs to this dtype (None: leave inputs alone).
+    """
+
+    def __init__(self, module: nn.Module, input_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.module = module
+        self.input_dtype = input_dtype
+
+    def forward(self, *args, **kwargs):
+        if self.input_dtype is not None and self.input_dtype != torch.float32:
+            args, kwargs = cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
+        return self.module(*args, **kwargs)
+
+    def unwrap(self) -> nn.Module:
+        """The user's own model object (its state_dict keys have no wrapper prefix)."""
+        m = self.module
+        while isinstance(m, (ModelWrapper, DDP)):
+            m = m.module
+        return m
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "input_dtype"):
+                raise
+            return getattr(self.unwrap(), name)
+
+
+class OptimizerWrapper:
+    """A torch optimizer plus ``backward``/clipping and the checkpoint protocol (no sharding).
+
+    Args:
+        optimizer: the user's torch optimizer.
+        max_norm: clip to this global norm in every ``step()`` (0 disables).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> None:
+        self.optim = optimizer
+        self.max_norm = float(max_norm)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optim.defaults
+
+    def __repr__(self) -> str:
+        return f"OptimizerWrapper({self.optim!r}, max_norm={self.max_norm})"
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        loss.backward(retain_graph=retain_graph)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield  # gradient sync (if any) belongs to the model wrapper (DDP)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+
+    def step(self, closure=None):
+        if self.max_norm > 0:
+            self.clip_grad_norm_(self.max_norm)
+        return self.optim.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    # checkpoint protocol (see booster/checkpoint_io.py): one replica holds everything
+    shard_world_size = 1
+    shard_rank = 0
+
+    def checkpoint_layout(self) -> list[ParamShard]:
+        return [make_shard(i, p, 1, 0) for i, p in enumerate(self.params)]
+
+    def checkpoint_state(self) -> tuple[dict, dict, list[dict], dict]:
+        sd = self.optim.state_dict()
+        sharded: dict[int, dict] = {}
+        replicated: dict[int, dict] = {}
+        for i, p in enumerate(self.params):
+            sharded[i], replicated[i] = {}, {}
+            for key, value in sd["state"].get(i, {}).items():
+                if (torch.is_tensor(value) and value.shape == p.shape and p.dim() > 0
+                        and key != "step"):
+                    sharded[i][key] = value.reshape(-1)
+                else:
+                    replicated[i][key] = value
+        return sharded, replicated, sd["param_groups"], {}
+
+    def load_checkpoint_state(self, sharded: dict, replicated: dict, param_groups: list[dict],
+                              extra: dict) -> None:
+        state: dict[int, dict] = {}
+        for i, p in enumerate(self.params):
+            entry = dict(replicated.get(i, {}))
+            for key, piece in sharded.get(i, {}).items():
+                if key == "master_param":  # saved by a master-weight optimizer: exact weights
+                    with torch.no_grad():
+                        p.copy_(piece.view(p.shape))
+                else:
+                    entry[key] = piece.view(p.shape)
+            if entry:
+                state[i] = entry
+        self.optim.load_state_dict({"state": state, "param_groups": param_groups})

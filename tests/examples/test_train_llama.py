@@ -1,0 +1,279 @@
+"""CPU tests of examples/train_llama.py (and the helpers beside it) and bench/train.py.
+
+End-to-end runs go through subprocesses, as a user would launch them: plain python (no plugin),
+and a 2-rank torchrun with ZeRO-2 + FP8 + FP8 communication. Each run is a few dozen steps of
+the tiny preset on short sequences (~10-25 s each, most of it ``import torch``/transformers).
+
+Tolerances: resuming a single-process run must reproduce the uninterrupted run's losses
+exactly (same process layout, same batches, deterministic CPU kernels: nothing may differ).
+"Loss falls" means the mean of the last 5 logged losses is at least 0.5 nats below the mean of
+the first 5 (an untrained byte model starts at ln 256 = 5.5; 24 steps at lr 3e-3 reach ~3.3).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+SCRIPT = EXAMPLES / "train_llama.py"
+
+# Short, fast runs: 24 steps of 8 x 64 tokens.
+FAST = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--lr", "3e-3",
+        "--warmup-steps", "2", "--no-progress", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The example's modules, imported the way the script imports them."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import checkpointing
+        import data
+        import metrics
+        import presets
+        import train_llama
+        yield type("Ex", (), dict(data=data, metrics=metrics, presets=presets,
+                                  checkpointing=checkpointing, train=train_llama))
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _run(cmd: list[str], threads: int, timeout: float = 240) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}"
+    return proc.stdout
+
+
+def _losses(out_dir: Path) -> dict[int, float]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def _assert_loss_falls(losses: dict[int, float]) -> None:
+    values = [losses[s] for s in sorted(losses)]
+    first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    assert last < first - 0.5, f"loss did not fall: first {first:.3f}, last {last:.3f}"
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_plain_python_trains_saves_and_resumes_exactly(ex, tmp_path):
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    out = _run([sys.executable, str(SCRIPT), *FAST, "--steps", "24", "--save-every", "12",
+                "--out-dir", str(run_a), "--eval-every", "12"], threads=2)
+    assert "done: loss" in out
+    losses_a = _losses(run_a)
+    assert sorted(losses_a) == list(range(1, 25))
+    _assert_loss_falls(losses_a)
+    summary = json.loads((run_a / "summary.json").read_text())
+    assert summary["steps_run"] == 24 and summary["last_loss"] < summary["first_loss"]
+    assert summary["tokens_per_s"] > 0 and summary["tflops_per_device"] > 0
+    config = json.loads((run_a / "run_config.json").read_text())
+    assert config["plugin"] == "none" and config["world_size"] == 1
+    records = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [12, 24]
+    assert all(r["peak_mem_gib"] > 0 and r["tokens_per_s"] > 0 for r in records
+               if r["kind"] == "train")
+    ckpts = run_a / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000024"
+    assert not list(ckpts.glob("*.partial"))
+    # The saved weights are a pretrained folder: --model-path (from_pretrained) loads them.
+    model = ex.presets.build_model(None, 256, 128,
+                                   model_path=str(ckpts / "step_00000024" / "model"))
+    assert model.config.vocab_size == 256 and model.config.num_hidden_layers == 4
+    # Resume from the middle checkpoint: the second half must repeat run A bit for bit.
+    _run([sys.executable, str(SCRIPT), *FAST, "--steps", "24", "--out-dir", str(run_b),
+          "--eval-every", "12", "--resume", str(ckpts / "step_00000012")], threads=2)
+    losses_b = _losses(run_b)
+    assert sorted(losses_b) == list(range(13, 25))
+    assert {s: losses_a[s] for s in losses_b} == losses_b
+
+
+def test_torchrun_zero2_fp8_fp8comm_two_ranks_trains_and_resumes_exactly(tmp_path):
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", str(SCRIPT), *FAST, "--steps", "24", "--plugin", "zero2",
+                "--use-fp8", "--fp8-comm", "--grad-accum", "2"]
+    _run(torchrun + ["--out-dir", str(run_a), "--save-every", "12"], threads=1)
+    losses_a = _losses(run_a)
+    assert sorted(losses_a) == list(range(1, 25))
+    _assert_loss_falls(losses_a)
+    config = json.loads((run_a / "run_config.json").read_text())
+    assert config["world_size"] == 2 and config["use_fp8"] and config["fp8_comm"]
+    ckpt = run_a / "checkpoints" / "step_00000012"
+    assert (ckpt / "rng" / "rank0.pt").is_file() and (ckpt / "rng" / "rank1.pt").is_file()
+    assert (ckpt / "model" / "model.safetensors.index.json").is_file()
+    assert len(list((ckpt / "optimizer").glob("optimizer-rank*"))) == 2  # ZeRO shards
+    # Same world size, same batches, gloo reductions in a fixed order: bit-exact again.
+    _run(torchrun + ["--out-dir", str(run_b), "--resume", str(ckpt)], threads=1)
+    losses_b = _losses(run_b)
+    assert sorted(losses_b) == list(range(13, 25))
+    assert {s: losses_a[s] for s in losses_b} == losses_b
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_shipped_sample_is_plain_public_domain_text(ex):
+    path = ex.data.default_data_path()
+    raw = path.read_bytes()
+    assert 100_000 <= len(raw) <= 300_000
+    assert b"Gutenberg" not in raw and b"LICENSE" not in raw.upper()[:5000]
+    assert raw.startswith(b"HAMLET") and raw.decode("ascii")
+    ids = ex.data.ByteTokenizer().encode_file(path)
+    assert ids.dtype == torch.uint8 and ids.numel() == len(raw)
+
+
+def test_windows_are_deterministic_per_rank_and_step(ex):
+    tokens = torch.arange(1000, dtype=torch.int32)
+    w = ex.data.TokenWindows(tokens, seq_len=16, seed=3)
+    a = w.batch(step=5, micro_step=1, rank=0, batch_size=4)
+    assert a.shape == (4, 16) and a.dtype == torch.int64
+    assert torch.equal(a, w.batch(step=5, micro_step=1, rank=0, batch_size=4))
+    # contiguous windows of the stream
+    assert torch.equal(a - a[:, :1], torch.arange(16).expand(4, 16))
+    for other in (dict(step=6, micro_step=1, rank=0), dict(step=5, micro_step=0, rank=0),
+                  dict(step=5, micro_step=1, rank=1)):
+        assert not torch.equal(a, w.batch(batch_size=4, **other)), other
+    with pytest.raises(ValueError, match="--seq-len"):
+        ex.data.TokenWindows(torch.arange(10), seq_len=10)
+    train, val = ex.data.split_train_val(tokens, 0.05, min_len=16)
+    assert train.numel() == 950 and torch.equal(val, tokens[950:])
+    assert ex.data.split_train_val(tokens, 0.05, min_len=64)[1] is None
+
+
+def test_flops_and_params(ex):
+    model = ex.presets.build_model("tiny", vocab_size=256, max_seq_len=128)
+    total = sum(p.numel() for p in model.parameters())
+    assert ex.metrics.matmul_params(model) == total - 256 * 128  # input embedding excluded
+    n = ex.metrics.matmul_params(model)
+    assert ex.metrics.flops_per_token(n, 4, 128, 128) == 6 * n + 12 * 4 * 128 * 128
+    cfg = ex.presets.build_llama_config("7b-8l", vocab_size=32000)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+            cfg.num_attention_heads) == (4096, 11008, 8, 32)
+    for name, shape in ex.presets.PRESETS.items():  # every linear dim FP8-eligible
+        assert shape["hidden_size"] % 16 == 0 and shape["intermediate_size"] % 16 == 0, name
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ex.presets.build_llama_config("13b", vocab_size=256)
+
+
+def test_cosine_schedule_with_warmup(ex):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = ex.train.cosine_with_warmup(opt, warmup=4, total=20, min_ratio=0.1)
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4] == pytest.approx(1.0) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--steps", "0"], "--steps"),
+    (["--grad-accum", "0"], "--grad-accum"),
+    (["--seq-len", "1"], "--seq-len"),
+    (["--lr", "0"], "--lr"),
+    (["--max-norm", "-1"], "--max-norm"),
+    (["--fp8-comm"], "--fp8-comm needs a distributed plugin"),
+    (["--use-fp8", "--precision", "fp16"], "--precision bf16"),
+    (["--data", "/nonexistent.txt"], "is not a file"),
+    (["--model-path", "/nonexistent"], "not a directory"),
+    (["--resume", "/nonexistent"], "not a complete checkpoint"),
+])
+def test_bad_arguments_raise_before_any_work(ex, argv, match):
+    args = ex.train.parse_args(argv)
+    with pytest.raises(ValueError, match=match):
+        ex.train.validate_args(args, world_size=1)
+
+
+def test_plugin_none_rejects_several_ranks(ex):
+    with pytest.raises(ValueError, match="--plugin ddp, zero1 or zero2"):
+        ex.train.validate_args(ex.train.parse_args([]), world_size=2)
+
+
+def test_preset_defaults_fill_unset_options(ex):
+    args = ex.train.parse_args(["--preset", "7b-8l"])
+    assert (args.seq_len, args.batch_size) == (4096, 2)
+    args = ex.train.parse_args(["--steps", "40"])
+    assert (args.seq_len, args.steps, args.warmup_steps) == (128, 40, 2)
+
+
+def test_checkpoint_resolution(ex, tmp_path):
+    step = tmp_path / "step_00000007"
+    step.mkdir()
+    (step / "trainer_state.json").write_text(json.dumps({"step": 7}))
+    (tmp_path / "latest").write_text("step_00000007")
+    assert ex.checkpointing.resolve_checkpoint(step) == step
+    assert ex.checkpointing.resolve_checkpoint(tmp_path) == step
+    (tmp_path / "step_00000009.partial").mkdir()  # a save that died: never picked
+    assert ex.checkpointing.resolve_checkpoint(tmp_path) == step
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ex.checkpointing.resolve_checkpoint(tmp_path / "step_00000009.partial")
+
+
+def test_loss_plot_or_single_warning(ex, tmp_path):
+    jsonl = tmp_path / "m.jsonl"
+    writer = ex.metrics.MetricsWriter(jsonl)
+    for s in range(1, 4):
+        writer.write(dict(kind="train", step=s, loss=5.0 - s))
+    writer.write(dict(kind="eval", step=3, val_loss=2.5))
+    writer.close()
+    if importlib.util.find_spec("matplotlib") is None:
+        with pytest.warns(UserWarning, match="matplotlib is not installed"):
+            assert ex.metrics.plot_loss_curve(jsonl, tmp_path / "loss.png") is None
+    else:
+        assert ex.metrics.plot_loss_curve(jsonl, tmp_path / "loss.png").stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- bench/train.py
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_options_and_table():
+    bench = _bench()
+    args = bench.parse_args([])
+    assert args.preset == "7b-8l" and (args.batch_size, args.seq_len) == (2, 4096)
+    assert "fsdp2_bf16" in args.configs and "zero2_fp8_comm" in args.configs
+    info = bench.model_info(args)  # meta device: no memory
+    assert info["params"] > 1.8e9 and info["flops_per_token"] > 6 * info["matmul_params"]
+    with pytest.raises(ValueError, match="unknown configs"):
+        bench.validate(bench.parse_args(["--configs", "zero3_bf16"]), 1)
+    with pytest.raises(ValueError, match="without torchrun"):
+        bench.validate(bench.parse_args(["--configs", "single_fp8"]), 2)
+    results = [dict(config="fsdp2_bf16", status="ok", tokens_per_s_per_gpu=100.0),
+               dict(config="zero2_bf16", status="ok", tokens_per_s_per_gpu=120.0),
+               dict(config="zero2_fp8", status="ok", tokens_per_s_per_gpu=180.0),
+               dict(config="ddp_fp8", status="oom", error="CUDA out of memory")]
+    bench.add_speedups(results)
+    assert results[2]["speedup_vs_fsdp2_bf16"] == pytest.approx(1.8)
+    assert results[2]["speedup_vs_own_bf16"] == pytest.approx(1.5)
+    for r in results[:3]:
+        r.update(tflops_per_gpu=1.0, peak_mem_gib=2.0, finite=True)
+    report = dict(device="cpu", world_size=2, model=info, batch_size=2, seq_len=4096,
+                  steps=20, warmup=5, results=results)
+    table = bench.format_table(report)
+    assert "zero2_fp8" in table and "1.50x" in table and "oom" in table
