@@ -3,9 +3,11 @@
 For a Llama-7B-shaped model with 8 layers (h4096, FFN 11008, 32 heads, vocab 32000; micro
 batch 2 x 4096 tokens per GPU by default) it measures, for each config, tokens/s/GPU, TFLOP/s
 per GPU and peak memory: warm-up steps, then the median of the timed steps' wall times (each
-step ends with a device synchronize). AdamW everywhere; random tokens (throughput only).
+step ends with a device synchronize). AdamW everywhere, no gradient clipping, no activation
+checkpointing; random tokens (throughput only). TFLOP/s counts 6*N + attention FLOPs per
+token (PaLM accounting, see examples/metrics.py).
 
-Configs (``--configs``, comma separated, default all)::
+Configs (``--configs``, comma separated; default: all but ``single_*``; ``all``: every one)::
 
     fsdp2_bf16                     torch FSDP2 fully_shard per decoder layer, BF16 compute,
                                    FP32 params and reductions (the baseline users know)
@@ -24,8 +26,10 @@ Usage::
     torchrun --nproc_per_node=2 bench/train.py --device cpu --preset tiny   # CPU smoke test
 
 An out-of-memory error (or any other error) in one config is recorded in the JSON and the run
-goes on with the next config. ``--isolate`` launches one torchrun per config with a time limit,
-so even a hang or a crash costs only that config. The JSON (device, torch/triton/transformers
+goes on with the next config; this needs every rank to fail alike (OOM normally does, the
+ranks being symmetric): a rank failing alone leaves the others waiting in a collective until
+the 10-minute timeout. ``--isolate`` launches one torchrun per config with a time limit, so
+even a hang or a crash costs only that config (at ~15 s of start-up per config). The JSON (device, torch/triton/transformers
 versions, date, command, world size, every config's numbers) goes to ``$OUT`` when set, else
 ``bench/results/``; a short table is printed last on rank 0.
 """
@@ -173,6 +177,10 @@ def _fully_shard():
     return fully_shard, MixedPrecisionPolicy
 
 
+def _nothing() -> None:
+    pass
+
+
 def setup_fsdp2(model, args, device, torchao: bool):
     """FSDP2 per decoder layer + root; BF16 compute, FP32 params and gradient reduction.
 
@@ -181,7 +189,7 @@ def setup_fsdp2(model, args, device, torchao: bool):
     Returns (model, optimizer, backward_fn, post_step_fn).
     """
     fully_shard, MixedPrecisionPolicy = _fully_shard()
-    post_step: Callable[[], None] = lambda: None
+    post_step: Callable[[], None] = _nothing
     if torchao:
         from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
                                     precompute_float8_dynamic_scale_for_fsdp)
@@ -226,7 +234,7 @@ def setup_booster(model, name: str, args, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
     model, optimizer, *_ = booster.boost(model, optimizer)
-    return model, optimizer, lambda loss: booster.backward(loss, optimizer), lambda: None
+    return model, optimizer, lambda loss: booster.backward(loss, optimizer), _nothing
 
 
 # --------------------------------------------------------------------------- measuring
@@ -356,6 +364,7 @@ def model_info(args: argparse.Namespace) -> dict[str, Any]:
     return dict(preset=args.preset, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
                 heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                 ffn=cfg.intermediate_size, vocab=cfg.vocab_size,
+                attn_implementation=getattr(cfg, "_attn_implementation", None),
                 params=sum(p.numel() for p in model.parameters()), matmul_params=n_matmul,
                 flops_per_token=flops_per_token(n_matmul, cfg.num_hidden_layers,
                                                 cfg.hidden_size, args.seq_len))
@@ -434,12 +443,13 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"{r['config']:<16} {r['status']:<8} "
                          + (error.splitlines()[-1][:70] if error else ""))
             continue
-        rel = lambda k: f"{r[k]:.2f}x" if r.get(k) else "-"  # noqa: E731
+        rel = {k: f"{r[k]:.2f}x" if r.get(k) else "-"
+               for k in ("speedup_vs_fsdp2_bf16", "speedup_vs_own_bf16")}
         lines.append(f"{r['config']:<16} {'ok' if r['finite'] else 'NaN!':<8} "
                      f"{r.get('world_size', report['world_size']):>5} "
                      f"{r['tokens_per_s_per_gpu']:>10.0f} {r['tflops_per_gpu']:>8.3g} "
-                     f"{r['peak_mem_gib']:>9.2f} {rel('speedup_vs_fsdp2_bf16'):>9} "
-                     f"{rel('speedup_vs_own_bf16'):>8}")
+                     f"{r['peak_mem_gib']:>9.2f} {rel['speedup_vs_fsdp2_bf16']:>9} "
+                     f"{rel['speedup_vs_own_bf16']:>8}")
     return "\n".join(lines)
 
 

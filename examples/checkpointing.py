@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,10 +123,3 @@ def load_checkpoint(booster, model, optimizer, lr_scheduler, ckpt: Path, rank: i
               f"world size {state.get('world_size')}); keeping the fresh seed", flush=True)
     return state
 
-
-def latest_step(save_dir: Path) -> Optional[int]:
-    """Step of the checkpoint ``latest`` points to, if any."""
-    try:
-        return read_trainer_state(resolve_checkpoint(save_dir))["step"]
-    except ValueError:
-        return None

@@ -95,7 +95,11 @@ def load_tokenizer(path: Optional[str]) -> Tokenizer:
 
 
 def default_data_path() -> Path:
-    """The text sample shipped inside the ``fp8boost`` package."""
+    """The text sample shipped inside the ``fp8boost`` package (the checkout's copy when this
+    file runs from a checkout, else the installed package's)."""
+    checkout = Path(__file__).resolve().parents[1] / "fp8boost" / "data" / "sample.txt"
+    if checkout.is_file():
+        return checkout
     return Path(str(importlib.resources.files("fp8boost") / "data" / "sample.txt"))
 
 

@@ -9,7 +9,9 @@ CPU in about a minute::
     torchrun --nproc_per_node=2 examples/train_llama.py --plugin zero2 --use-fp8 --fp8-comm
     torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
         --use-fp8 --data ../shared/data/shakespeare.txt --save-every 200 --save-dir ckpt
-    python examples/train_llama.py --resume ckpt                     # continue from 'latest'
+    # continue from ckpt/latest (any world size; same preset, batches are a function of step)
+    torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
+        --use-fp8 --data ../shared/data/shakespeare.txt --resume ckpt --steps 2000
 
 Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``summary.json``,
 ``run_config.json`` and ``loss.png`` (when matplotlib is installed). ``--plugin none`` uses
@@ -82,7 +84,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--out-dir", default=None, help="default: runs/<timestamp>")
     g.add_argument("--eval-every", type=int, default=None,
-                   help="validation interval (default: --steps/10); 0: at the end only")
+                   help="validation interval (default: --steps/10, or only at the end below "
+                   "100 steps); 0: at the end only")
     g.add_argument("--eval-batches", type=int, default=8)
     g.add_argument("--log-every", type=int, default=20, help="plain-print interval (no tqdm)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
@@ -96,8 +99,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 20)
-    if args.eval_every is None:
-        args.eval_every = args.steps // 10
+    if args.eval_every is None:  # ten validation points on the curve; short runs: at the end
+        args.eval_every = args.steps // 10 if args.steps >= 100 else 0
     return args
 
 
@@ -134,18 +137,26 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.model_path is not None:
         presets.check_model_path(args.model_path)
     if args.resume is not None:
-        ckpt_step = checkpointing.read_trainer_state(
-            checkpointing.resolve_checkpoint(args.resume))["step"]
-        if ckpt_step >= args.steps:
-            raise ValueError(f"the checkpoint is at step {ckpt_step}, not before --steps "
-                             f"{args.steps}; raise --steps to train further")
+        check_resume(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
 
 
-def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: the env:// group (NCCL on GPU, gloo on
-    CPU). As plain python with a plugin: a one-rank group, so the plugins run unchanged."""
+def check_resume(args: argparse.Namespace) -> None:
+    """The checkpoint must be complete, before ``--steps`` and of the same model."""
+    state = checkpointing.read_trainer_state(checkpointing.resolve_checkpoint(args.resume))
+    if state["step"] >= args.steps:
+        raise ValueError(f"the checkpoint is at step {state['step']}, not before --steps "
+                         f"{args.steps}; raise --steps to train further")
+    for key in ("preset", "model_path", "tokenizer"):
+        if key in state and state[key] != getattr(args, key):
+            raise ValueError(f"the checkpoint was trained with --{key.replace('_', '-')} "
+                             f"{state[key]}, this run has {getattr(args, key)}; pass the same")
+
+
+def rank_and_device(device_arg: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment (0, 1 as plain python); the
+    GPU is ``cuda:LOCAL_RANK`` when CUDA is used."""
     use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -425,7 +436,7 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole training; returns the summary (rank 0's view; empty on other ranks)."""
-    rank, world_size, device = init_distributed(args.device)
+    rank, world_size, device = rank_and_device(args.device)
     validate_args(args, world_size)
     if world_size > 1:  # plain python: the plugins start a one-process group themselves
         start_process_group(world_size, device)
@@ -460,7 +471,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             logger.eval(step, val_loss)
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             state = dict(world_size=world_size, out_dir=str(out_dir), seed=args.seed,
-                         tokens=step * logger.tokens_per_step)
+                         tokens=step * logger.tokens_per_step, preset=args.preset,
+                         model_path=args.model_path, tokenizer=args.tokenizer)
             checkpointing.save_checkpoint(run.booster, run.model, run.optimizer,
                                           run.lr_scheduler, save_dir, step, state, rank, device)
     if run.val_windows is not None and (not args.eval_every or args.steps % args.eval_every):

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from fp8boost.fp8.backends import warn_once
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.plugins.plugin_base import Boosted, Plugin, check_boost_args, default_device
 from fp8boost.plugins.precision import MIXED_PRECISIONS, check_fp8_config, check_max_norm, \
@@ -58,6 +60,11 @@ class LocalPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None, device=None) -> Boosted:
         check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            warn_once("booster_no_plugin_multiprocess",
+                      "Booster without a plugin in a multi-process job: every process trains its "
+                      "own replica (no gradient averaging); use TorchDDPPlugin or "
+                      "LowLevelZeroPlugin for data parallelism")
         precision = "bf16" if self.mp.precision == "fp8" else self.mp.precision
         if optimizer is not None and precision != "fp32":
             from fp8boost.parallel.zero import ZeroOptimizer

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) with FP8 parameter all-gather and FP8 gradient reduce-scatter.
 
-Two independent pieces, each feature-detected at call time (no silent fallback: a missing torch
-feature raises, naming what is needed):
+Two independent pieces (no silent fallback: a missing torch feature raises, naming what is
+needed):
 
 * **FP8 parameter all-gather** -- :class:`Fp8AllGatherWeight`, a weight tensor subclass with
   FSDP2's all-gather extension hooks. ``fsdp_pre_all_gather`` casts the local shard to e4m3 with
@@ -9,17 +9,21 @@ feature raises, naming what is needed):
   precomputed for all weights at once by :func:`precompute_fp8_all_gather_scales`) and hands
   FSDP the bytes as ``uint8`` (NCCL and gloo reject float8); ``fsdp_post_all_gather``
   dequantizes into the unsharded parameter in FSDP's ``param_dtype``. The scale is shared
-  because FSDP requires every all-gather input to have the padded shard shape, so there is no
-  room for per-rank scales, and one scale makes the gathered bytes one FP8 tensor. Install with
+  because FSDP requires every all-gather input of an unevenly sharded parameter to have the
+  padded shard shape (no room for a per-rank scale), and one scale makes the gathered bytes
+  one FP8 tensor. Install with
   :func:`enable_fp8_all_gather` *before* ``fully_shard``. Hooks used:
   ``fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)`` (the 5-argument
-  form, torch >= 2.5) and ``fsdp_post_all_gather(..., out=None)``. Tested on torch 2.13 (CPU,
-  gloo); the same hooks exist in 2.11. Only dim-0 sharding (FSDP's default) is supported.
+  form, torch >= 2.5) and ``fsdp_post_all_gather(..., out=None)``. Only dim-0 sharding (FSDP's
+  default) is supported.
 * **FP8 gradient reduce-scatter** -- :class:`Fp8ReduceScatter`, installed on every FSDP module
   by :func:`set_fp8_reduce_scatter` through ``FSDPModule.set_custom_reduce_scatter`` (added by
-  pytorch/pytorch#155189 in mid-2025; present in 2.11 and 2.13). It runs
-  :func:`reduce_scatter_tensor_fp8` (e5m2 by default) with FSDP's op (AVG, SUM or
-  PREMUL_SUM).
+  pytorch/pytorch#155189, mid-2025). It runs :func:`reduce_scatter_tensor_fp8` (e5m2 by
+  default) with FSDP's op (AVG, SUM or PREMUL_SUM).
+
+Torch versions: tested on 2.13 (CPU, gloo: bit-exact FP8 weights, gradient parity, 2 and 4
+ranks). Both extension points predate 2.11, the GPU machine's version, but 2.11 was not run
+here; ``set_custom_reduce_scatter`` is feature-detected when used.
 
 Example:
     >>> from torch.distributed.fsdp import fully_shard                       # doctest: +SKIP

@@ -130,8 +130,16 @@ class LowLevelZeroPlugin(Plugin):
             return None
         if self.fp8_param_gather == "none":
             return []
+        from fp8boost.fp8.backends import warn_once
         from fp8boost.fp8.linear import Fp8Linear
-        return [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
+        weights = [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
+        if self.fp8_communication and not weights:
+            warn_once("zero_fp8_gather_none",
+                      "LowLevelZeroPlugin(fp8_communication=True): the model has no Fp8Linear "
+                      "layers (use_fp8=False), so only gradients travel in FP8 and parameters "
+                      "are all-gathered in their own dtype; pass fp8_param_gather='all' to send "
+                      "every parameter in FP8")
+        return weights
 
 
 def _broadcast_module(model: nn.Module, group) -> None:

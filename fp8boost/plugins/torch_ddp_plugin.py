@@ -111,11 +111,8 @@ class TorchDDPPlugin(Plugin):
         return wrapped, opt, criterion, loader, lr_scheduler
 
     def _register_fp8_hook(self, ddp: DDP) -> None:
-        from fp8boost.parallel.comm_config import Fp8CommConfig
-        from fp8boost.parallel.ddp_hooks import Fp8CommHookState
-        state = Fp8CommHookState(group=ddp.process_group,
-                                 config=self.comm_config or Fp8CommConfig())
-        ddp.register_comm_hook(state, _fp8_allreduce_hook)
+        from fp8boost.parallel.ddp_hooks import register_fp8_comm_hook
+        register_fp8_comm_hook(ddp, config=self.comm_config)  # averages over DDP's own group
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:
         if not isinstance(model, ModelWrapper) or not isinstance(model.module, DDP):
@@ -126,9 +123,3 @@ class TorchDDPPlugin(Plugin):
             stack.enter_context(optimizer.no_sync())
         return stack
 
-
-def _fp8_allreduce_hook(state, bucket):
-    # Unannotated on purpose: DDP compares the hook's annotations with dist.GradBucket, and
-    # postponed (string) annotations in ddp_hooks.py would fail that check.
-    from fp8boost.parallel.ddp_hooks import fp8_allreduce_hook
-    return fp8_allreduce_hook(state, bucket)

@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fp8boost.booster import Booster
 from fp8boost.booster import checkpoint_io as cio

@@ -158,6 +158,25 @@ def test_windows_are_deterministic_per_rank_and_step(ex):
     assert ex.data.split_train_val(tokens, 0.05, min_len=64)[1] is None
 
 
+def test_local_hf_tokenizer_folder(ex, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sample = ex.data.default_data_path()
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+    tok.train([str(sample)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    assert ex.data.has_tokenizer_files(tmp_path)
+    hf = ex.data.load_tokenizer(str(tmp_path))
+    ids = hf.encode_file(sample)
+    assert hf.vocab_size == 300 and ids.dtype == torch.int32
+    assert 0 < ids.numel() < len(sample.read_bytes()) and int(ids.max()) < 300
+    assert "HAMLET" in hf.decode(ids[:10].tolist())
+    with pytest.raises(ValueError, match="not a directory"):
+        ex.data.load_tokenizer(str(tmp_path / "missing"))
+
+
 def test_flops_and_params(ex):
     model = ex.presets.build_model("tiny", vocab_size=256, max_seq_len=128)
     total = sum(p.numel() for p in model.parameters())
@@ -227,6 +246,13 @@ def test_checkpoint_resolution(ex, tmp_path):
     assert ex.checkpointing.resolve_checkpoint(tmp_path) == step
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         ex.checkpointing.resolve_checkpoint(tmp_path / "step_00000009.partial")
+    (step / "trainer_state.json").write_text(json.dumps({"step": 7, "preset": "small"}))
+    with pytest.raises(ValueError, match="--preset small"):
+        ex.train.check_resume(ex.train.parse_args(["--resume", str(tmp_path)]))
+    with pytest.raises(ValueError, match="raise --steps"):
+        ex.train.check_resume(ex.train.parse_args(["--resume", str(step), "--preset", "small",
+                                                   "--steps", "7"]))
+    ex.train.check_resume(ex.train.parse_args(["--resume", str(step), "--preset", "small"]))
 
 
 def test_loss_plot_or_single_warning(ex, tmp_path):

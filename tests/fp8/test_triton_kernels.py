@@ -43,11 +43,20 @@ def _assert_cast_exact(r, x, dtype, scale=None, margin=0, power_of_2=False, with
     assert torch.equal(r.amax.cpu(), a.cpu()), (r.amax, a)
     assert torch.equal(r.scale.cpu(), s.reshape(()).cpu()), (r.scale, s)
     assert torch.equal(r.inv_scale.cpu(), s.reciprocal().reshape(()).cpu())
-    assert torch.equal(_bits(r.data), _bits(q)), "row-major FP8 payload differs from reference"
+    assert torch.equal(_bits(r.data), _bits(q)), _diff("row-major payload", r.data, q)
     if with_t:
-        assert torch.equal(_bits(r.data_t), _bits(q.t().contiguous())), "transposed copy differs"
+        qt = q.t().contiguous()
+        assert torch.equal(_bits(r.data_t), _bits(qt)), _diff("transposed copy", r.data_t, qt)
     else:
         assert r.data_t is None
+
+
+def _diff(what, got, want) -> str:
+    bad = (_bits(got) != _bits(want)).nonzero()
+    i = tuple(bad[0].tolist())
+    return (f"{what} differs from the reference at {bad.shape[0]} of {got.numel()} elements "
+            f"of {tuple(got.shape)}; first at {i}: {got[i].float().item()} vs "
+            f"{want[i].float().item()}; rows {sorted(set(bad[:, 0].tolist()))[:8]}")
 
 
 def _gemm_ref(a, b, sa, sb, bias):
@@ -266,9 +275,11 @@ def test_compile_fwd_bwd_through_custom_ops():
 
 
 def _capture(graphs):
+    from functorch.compile import make_boxed_func
+
     def compiler(gm, example_inputs):
         graphs.append(gm)
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
     return compiler
 

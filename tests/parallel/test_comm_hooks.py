@@ -112,16 +112,19 @@ def _check_fsdp(rank: int, ws: int) -> None:
 
     cfg = Fp8CommConfig(min_numel=0)
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 4))  # 33 rows: uneven
+    # 33 rows shard unevenly; 3 rows leave rank 3 of 4 an empty shard
+    model = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 3), nn.Tanh(),
+                          nn.Linear(3, 4))
+    lin = (0, 2, 4)
     ref = copy.deepcopy(model)
-    assert enable_fp8_all_gather(model, cfg) == ["0.weight", "2.weight"]
+    assert enable_fp8_all_gather(model, cfg) == [f"{i}.weight" for i in lin]
     mesh = init_device_mesh("cpu", (ws,))
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model[2], mesh=mesh)
+    for i in lin:
+        fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    assert set_fp8_reduce_scatter(model, cfg) == 3
+    assert set_fp8_reduce_scatter(model, cfg) == 4
     seen = {}
-    for i in (0, 2):
+    for i in lin:
         model[i].register_forward_pre_hook(
             lambda m, a, i=i: seen.__setitem__(i, m.weight.detach().clone()))
     log = []
@@ -149,7 +152,7 @@ def _check_fsdp(rank: int, ws: int) -> None:
                 setattr(dist, n, f)
         # 1. the unsharded weights are exactly the e4m3 round trip with the group-wide scale
         qref = copy.deepcopy(ref)
-        for i in (0, 2):
+        for i in lin:
             with torch.no_grad():
                 qref[i].weight.copy_(_quantized_weight(ref[i].weight))
             assert torch.equal(seen[i], qref[i].weight), f"step {step} layer {i} weight"
@@ -158,8 +161,9 @@ def _check_fsdp(rank: int, ws: int) -> None:
         # uint8 all-to-all; after precompute, no per-weight amax all-reduce remains.
         gathers = [e for e in log if e[0].startswith("all_gather")]
         assert gathers and all(dt == torch.uint8 for _, dt, _ in gathers), log
-        w_elems = (-(-33 // ws)) * 16 + (-(-4 // ws)) * 33  # padded weight shards
-        b_bytes = 4 * ((-(-33 // ws)) + (-(-4 // ws)))       # FP32 bias shards
+        rows = [-(-model[i].out_features // ws) for i in lin]  # padded shard rows
+        w_elems = sum(r * model[i].in_features for r, i in zip(rows, lin))  # 1 byte each
+        b_bytes = 4 * sum(rows)                                          # FP32 bias shards
         # forward + backward re-gather, each at most 1 byte per weight element (+ alignment)
         assert sum(k for _, _, k in gathers) <= 2 * (w_elems + b_bytes) + 64, gathers
         a2a = [e for e in log if e[0] == "all_to_all_single"]
@@ -186,7 +190,7 @@ def _check_fsdp(rank: int, ws: int) -> None:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        assert precompute_fp8_all_gather_scales(model) == 2
+        assert precompute_fp8_all_gather_scales(model) == 3
     # MixedPrecisionPolicy: FP32 master shards, BF16 compute weights decoded straight from FP8
     from torch.distributed.fsdp import MixedPrecisionPolicy
     torch.manual_seed(2)

@@ -13,6 +13,8 @@ on 2 ranks (torch 2.13 CPU) in brackets:
   differs (half-batch means, then an all-reduce).
 * bf16, comm off: loss 1e-3, weights 2e-2 [4e-5, 3.6e-3]. Half-batch BF16 GEMMs and BF16 gradient
   sums round differently from the full-batch ones (unit roundoff 2**-9).
+* fp16 (dynamic loss scaling), comm off: as bf16 [1.3e-6, 3.6e-4]; FP16 keeps 3 more
+  mantissa bits than BF16.
 * fp8 (emulated), comm off: loss 1e-2, weights 0.15 [5e-4, 7.9e-2]. Each rank derives its FP8
   scales from its own half batch, so values land on different e4m3/e5m2 grid points
   (relative step up to 2**-3). For scale: the single-process FP8 run is 0.11 away from FP32.
@@ -35,7 +37,8 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from tests.plugins import helpers as H
 
-TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-3, 2e-2), "fp8": (1e-2, 0.15), "comm": (1e-2, 0.2)}
+TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-3, 2e-2), "fp16": (1e-3, 2e-2), "fp8": (1e-2, 0.15),
+       "comm": (1e-2, 0.2)}
 STEPS = 4
 
 
@@ -85,7 +88,7 @@ def _references(precs=("fp32", "bf16", "fp8")):
 
 
 def _parity_matrix(rank, world, plugins, precs, comms, extra_cases=()):
-    refs = _references(precs)
+    refs = _references(tuple(dict.fromkeys(list(precs) + [c[1] for c in extra_cases])))
     init = list(H.make_mlp().parameters())
     out = {}
     cases = [(p, pr, c, {}) for p in plugins for pr in precs for c in comms] + list(extra_cases)
@@ -157,6 +160,22 @@ def _memory_is_sharded(rank, world):
     dist.all_reduce(counts)
     assert total <= counts.item() <= total + n_params * (world - 1)
     return local, total
+
+
+def _without_master_weights(rank, world):
+    """master_weights=False steps BF16 chunks; compared with the same optimizer on one rank."""
+    from fp8boost.booster import Booster
+    from fp8boost.parallel.zero import ZeroOptimizer
+    from fp8boost.plugins.wrappers import ModelWrapper
+    losses, weights, (_, _, opt) = _run(_plugin("zero2", "bf16", False, master_weights=False),
+                                        rank, world)
+    assert all(m.dtype == torch.bfloat16 for m in opt.masters)
+    model = H.make_mlp().to(torch.bfloat16)
+    ref_opt = ZeroOptimizer(_sgd(model), dp_group=None, master_weights=False)
+    booster = Booster(device="cpu")  # only its backward/no_sync plumbing is used
+    ref_losses = H.train(booster, ModelWrapper(model, torch.bfloat16), ref_opt, 0, 1, STEPS)
+    err = H.rel_update_error(weights, ref_opt.full_master_params(), H.make_mlp().parameters())
+    assert H.max_rel(losses, ref_losses) < 1e-3 and err < 2e-2, (losses, ref_losses, err)
 
 
 def _fp16_overflow_skips_step(rank, world):
@@ -259,10 +278,13 @@ def _two_rank_suite(rank, world, ckpt_dir):
                            (False, True),
                            extra_cases=[("zero2", "bf16", False, {"overlap_communication": False}),
                                         ("zero1", "bf16", True, {"overlap_communication": False}),
-                                        ("zero2", "bf16", True, {"fp8_param_gather": "all"})])
+                                        ("zero2", "bf16", True, {"fp8_param_gather": "all"}),
+                                        ("zero2", "bf16", False, {"cpu_offload": True}),
+                                        ("zero1", "fp16", False, {}), ("ddp", "fp16", False, {})])
     _no_sync_equals_big_batch(rank, world)
     _buckets_overlap_backward(rank, world)
     memory = _memory_is_sharded(rank, world)
+    _without_master_weights(rank, world)
     _fp16_overflow_skips_step(rank, world)
     _cpu_offload(rank, world)
     _dataloader_is_sharded(rank, world)
@@ -293,7 +315,7 @@ def two_rank(ckpt_dir):
 def test_two_ranks_parity_and_features(two_rank):
     table, (local, total) = two_rank[0]
     _check_parity(table)
-    assert len(table) == 21
+    assert len(table) == 24
     print(f"2 ranks: {local} of {total} master elements per rank")
 
 

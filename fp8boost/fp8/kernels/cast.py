@@ -102,13 +102,28 @@ def _round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _to_fp8(x, scale, fp8_max_val, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+            MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # x (FP32) * scale, saturated to +-max (NaN passes), rounded to nearest even.
+    y = x * scale
+    y = tl.where(y > fp8_max_val, fp8_max_val, y)
+    y = tl.where(y < -fp8_max_val, -fp8_max_val, y)
+    if EMULATE_RNE:
+        y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+    q = y.to(OUT_DTYPE)
+    if EMULATE_RNE:  # the interpreter turns NaN into a finite FP8 value: write 0x7F (NaN)
+        q = tl.where(y != y, tl.full(q.shape, 0x7F, tl.uint8).to(OUT_DTYPE, bitcast=True), q)
+    return q
+
+
+@triton.jit
 def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_in_ptr, part_ptr, n_part, amax_ptr, amax_bits_ptr,
                  scale_ptr, inv_ptr, R, C, stride_r, stride_c, n_tiles_c, n_tiles, nprog,
                  fp8_max_val, target,
                  OUT_DTYPE: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr,
-                 WITH_T: tl.constexpr, EMULATE_RNE: tl.constexpr, MANT_BITS: tl.constexpr,
-                 MIN_EXP: tl.constexpr, IDX64: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_C: tl.constexpr, PART_BLOCK: tl.constexpr):
+                 WITH_T: tl.constexpr, T_RELOAD: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                 MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, IDX64: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PART_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     # The scale is derived once per program (not per tile) from the amax partials.
     if CURRENT:
@@ -131,22 +146,22 @@ def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_in_ptr, part_ptr, n_part, amax_ptr,
                     other=0.0).to(tl.float32)
         if not CURRENT:  # delayed scaling: the amax rides along with the cast
             amax_acc = tl.maximum(amax_acc, _abs_bits(x))
-        y = x * scale
-        y = tl.where(y > fp8_max_val, fp8_max_val, y)
-        y = tl.where(y < -fp8_max_val, -fp8_max_val, y)
-        if EMULATE_RNE:
-            y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-        q = y.to(OUT_DTYPE)
-        if EMULATE_RNE:  # the interpreter turns NaN into a finite FP8 value: write 0x7F (NaN)
-            q = tl.where(y != y, tl.full(q.shape, 0x7F, tl.uint8).to(OUT_DTYPE, bitcast=True), q)
+        q = _to_fp8(x, scale, fp8_max_val, OUT_DTYPE, EMULATE_RNE, MANT_BITS, MIN_EXP)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
         if WITH_T:
-            # The transposed (K-major for the other GEMMs) copy from the same registers. It is
-            # transposed as raw bytes: Triton 3.6 moving FP8 values through shared memory was
-            # seen to turn -0.0 into +0.0 (H200, float32 input), an integer shuffle cannot.
-            qb = q.to(tl.uint8, bitcast=True)
-            tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], tl.trans(qb),
-                     mask=tl.trans(mask))
+            # The transposed (K-major for the other GEMMs) copy, stored as raw bytes.
+            mask_t = (offs_c[:, None] < C) & (offs_r[None, :] < R)
+            if T_RELOAD:
+                # Float32 input: Triton 3.6 on an H200 miscompiled the register transpose below
+                # (parts of data_t were never written), so re-read the tile (L1/L2-hot) in
+                # transposed order and cast it again: same FP32 math, bit-identical bytes.
+                xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
+                             mask=mask_t, other=0.0).to(tl.float32)
+                qt = _to_fp8(xt, scale, fp8_max_val, OUT_DTYPE, EMULATE_RNE, MANT_BITS, MIN_EXP)
+                qt = qt.to(tl.uint8, bitcast=True)
+            else:
+                qt = tl.trans(q.to(tl.uint8, bitcast=True))
+            tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
     if not CURRENT:  # one integer atomic per program, not per tile
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0))
 
@@ -239,7 +254,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] 
     part, n_part = _amax_partials(x, idx64) if current else (a_out, 1)
     mant, min_exp = _GRID[dtype]
     common = dict(OUT_DTYPE=_TL_DTYPES[dtype], CURRENT=current, POW2=bool(power_of_2),
-                  WITH_T=with_transpose, EMULATE_RNE=interp, MANT_BITS=mant, MIN_EXP=min_exp,
+                  WITH_T=with_transpose, T_RELOAD=x.dtype == torch.float32, EMULATE_RNE=interp, MANT_BITS=mant, MIN_EXP=min_exp,
                   IDX64=idx64, PART_BLOCK=max(triton.next_power_of_2(n_part), 16))
     fmax = _FP8_MAX[dtype]
     target = fmax / (2.0 ** margin)

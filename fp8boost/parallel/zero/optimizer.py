@@ -188,7 +188,7 @@ class ZeroOptimizer:
             for g in self._grad_shards:
                 if g is not None:
                     g.mul_(coef)
-        return total
+        return torch.tensor(total)
 
     def step(self, closure=None) -> None:
         """Reduce (if still pending), unscale, clip, step the master chunks, gather params."""
