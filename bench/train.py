@@ -481,6 +481,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
             result = run_config(name, args, device, rank, world_size, info["flops_per_token"])
             report["results"].append(result)
             if rank == 0:
+                write_report(report, output_path(args))  # partial results survive a time-out
                 speed = result.get("tokens_per_s_per_gpu")
                 print(f"[bench] {name}: {result['status']}"
                       + (f", {speed:.0f} tokens/s/GPU, {result['peak_mem_gib']:.2f} GiB"
