@@ -82,6 +82,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="default 4096 (256 for tiny/small)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--bucket-m", type=float, default=12,
+                   help="ZeRO reduce_bucket_size_in_m (millions of elements per bucket)")
     p.add_argument("--lr", type=float, default=1e-5, help="small: random data, speed only")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (all configs)")
@@ -229,7 +231,8 @@ def setup_booster(model, name: str, args, device):
     else:
         from fp8boost.plugins import LowLevelZeroPlugin
         plugin = LowLevelZeroPlugin(stage=int(kind[-1]), precision="bf16", use_fp8=use_fp8,
-                                    fp8_communication=fp8_comm)
+                                    fp8_communication=fp8_comm,
+                                    reduce_bucket_size_in_m=args.bucket_m)
         booster = Booster(plugin=plugin, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
@@ -472,7 +475,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
                                       command=command_line(world_size),
                                       **environment(device, world_size), model=info,
                                       batch_size=args.batch_size, seq_len=args.seq_len,
-                                      warmup=args.warmup, steps=args.steps,
+                                      zero_bucket_m=args.bucket_m, warmup=args.warmup, steps=args.steps,
                                       compile=args.compile, optimizer="AdamW",
                                       fsdp2_policy="param bf16, reduce fp32", results=[])
         for name in args.configs:
@@ -500,7 +503,8 @@ def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]
     argv = ["--configs", config, "--output", output, "--preset", args.preset,
             "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
             "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
-            "--steps", str(args.steps), "--lr", str(args.lr), "--device", args.device]
+            "--steps", str(args.steps), "--lr", str(args.lr), "--bucket-m", str(args.bucket_m),
+            "--device", args.device]
     for flag in ("layers", "hidden", "ffn", "heads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]

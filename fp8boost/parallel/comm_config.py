@@ -19,8 +19,10 @@ CAST_IMPLS = ("auto", "torch", "triton")
 # cast kernels cannot pay for themselves. Replace with the crossover measured by bench/comm.py on
 # the target machine (it prints a suggested value).
 DEFAULT_MIN_NUMEL = 65536
-# Provisional too: 8 MiB of FP8 per pipeline stage (a 64 MB BF16 all-gather runs in 4 stages).
-DEFAULT_PIPELINE_BYTES = 8 << 20
+# One stage by default: on 2xH200 (NVLink, bench/results/comm_2gpu_2026-11-22.json) the single-stage
+# FP8 collectives were faster than the 8 MiB-stage pipelined ones at every size from 16 MB to
+# 1 GB (e.g. all-gather 1 GB: 2.65 ms vs 3.92 ms), since every stage adds fixed launch costs.
+DEFAULT_PIPELINE_BYTES = 0
 MAX_PIPELINE_STAGES = 8
 
 
