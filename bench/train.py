@@ -82,6 +82,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="default 4096 (256 for tiny/small)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--fp8-min-numel", type=int, default=None,
+                   help="Fp8Config.min_numel for the fp8 configs (default: the library default)")
     p.add_argument("--bucket-m", type=float, default=12,
                    help="ZeRO reduce_bucket_size_in_m (millions of elements per bucket)")
     p.add_argument("--lr", type=float, default=1e-5, help="small: random data, speed only")
@@ -222,17 +224,24 @@ def setup_booster(model, name: str, args, device):
     use_fp8, fp8_comm = variant in ("fp8", "fp8_comm"), variant == "fp8_comm"
     if args.compile:
         compile_layers(model)
+    fp8_cfg = None
+    if use_fp8 and args.fp8_min_numel is not None:
+        from fp8boost.fp8 import Fp8Config
+        fp8_cfg = Fp8Config(min_numel=args.fp8_min_numel)
     if kind == "single":
-        booster = Booster(mixed_precision="fp8" if use_fp8 else "bf16", device=device)
+        from fp8boost.booster.mixed_precision import MixedPrecision
+        booster = Booster(mixed_precision=MixedPrecision("fp8" if use_fp8 else "bf16",
+                                                         fp8_config=fp8_cfg), device=device)
     elif kind == "ddp":
         from fp8boost.plugins import TorchDDPPlugin
         booster = Booster(plugin=TorchDDPPlugin(use_fp8=use_fp8, fp8_communication=fp8_comm,
-                                                precision="bf16"), device=device)
+                                                precision="bf16", fp8_config=fp8_cfg),
+                          device=device)
     else:
         from fp8boost.plugins import LowLevelZeroPlugin
         plugin = LowLevelZeroPlugin(stage=int(kind[-1]), precision="bf16", use_fp8=use_fp8,
                                     fp8_communication=fp8_comm,
-                                    reduce_bucket_size_in_m=args.bucket_m)
+                                    reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
         booster = Booster(plugin=plugin, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
@@ -475,7 +484,8 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
                                       command=command_line(world_size),
                                       **environment(device, world_size), model=info,
                                       batch_size=args.batch_size, seq_len=args.seq_len,
-                                      zero_bucket_m=args.bucket_m, warmup=args.warmup, steps=args.steps,
+                                      zero_bucket_m=args.bucket_m, fp8_min_numel=args.fp8_min_numel,
+                                      warmup=args.warmup, steps=args.steps,
                                       compile=args.compile, optimizer="AdamW",
                                       fsdp2_policy="param bf16, reduce fp32", results=[])
         for name in args.configs:
@@ -505,6 +515,8 @@ def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]
             "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--lr", str(args.lr), "--bucket-m", str(args.bucket_m),
             "--device", args.device]
+    if args.fp8_min_numel is not None:
+        argv += ["--fp8-min-numel", str(args.fp8_min_numel)]
     for flag in ("layers", "hidden", "ffn", "heads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
