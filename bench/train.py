@@ -84,8 +84,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--fp8-min-numel", type=int, default=None,
                    help="Fp8Config.min_numel for the fp8 configs (default: the library default)")
-    p.add_argument("--bucket-m", type=float, default=12,
-                   help="ZeRO reduce_bucket_size_in_m (millions of elements per bucket)")
+    p.add_argument("--bucket-m", type=float, default=None,
+                   help="ZeRO reduce_bucket_size_in_m (default: the plugin's: 12, 64 with FP8 comm)")
     p.add_argument("--lr", type=float, default=1e-5, help="small: random data, speed only")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (all configs)")
@@ -513,8 +513,9 @@ def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]
     argv = ["--configs", config, "--output", output, "--preset", args.preset,
             "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
             "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
-            "--steps", str(args.steps), "--lr", str(args.lr), "--bucket-m", str(args.bucket_m),
-            "--device", args.device]
+            "--steps", str(args.steps), "--lr", str(args.lr), "--device", args.device]
+    if args.bucket_m is not None:
+        argv += ["--bucket-m", str(args.bucket_m)]
     if args.fp8_min_numel is not None:
         argv += ["--fp8-min-numel", str(args.fp8_min_numel)]
     for flag in ("layers", "hidden", "ffn", "heads"):

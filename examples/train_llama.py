@@ -71,6 +71,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--precision", default="bf16", choices=PRECISIONS)
     g.add_argument("--use-fp8", action="store_true", help="run linear-layer GEMMs in FP8")
     g.add_argument("--fp8-comm", action="store_true", help="FP8 gradient/parameter communication")
+    g.add_argument("--fp8-min-numel", type=int, default=None,
+                   help="linear layers with fewer weight elements stay BF16 (default: the library's "
+                        "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps in total")
@@ -185,18 +188,29 @@ def make_booster(args: argparse.Namespace, device: torch.device):
     reports the norm, so no plugin gets a ``max_norm`` of its own.
     """
     from fp8boost.booster import Booster
+    from fp8boost.booster.mixed_precision import MixedPrecision
+    from fp8boost.fp8 import Fp8Config
 
+    fp8_config = None
+    if args.use_fp8:
+        min_numel = args.fp8_min_numel
+        if min_numel is None and device.type != "cuda":
+            # No FP8 tensor cores here: FP8 is emulated for its numerics only, so there is no
+            # speed to lose on small layers. Convert them all so the demo really runs FP8.
+            min_numel = 0
+        fp8_config = Fp8Config() if min_numel is None else Fp8Config(min_numel=min_numel)
     if args.plugin == "none":
-        return Booster(mixed_precision="fp8" if args.use_fp8 else args.precision, device=device)
+        mp = MixedPrecision("fp8", fp8_config) if args.use_fp8 else args.precision
+        return Booster(mixed_precision=mp, device=device)
     from fp8boost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
 
     if args.plugin == "ddp":
         plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm,
-                                precision=args.precision)
+                                precision=args.precision, fp8_config=fp8_config)
     else:
         plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
                                     precision=args.precision, use_fp8=args.use_fp8,
-                                    fp8_communication=args.fp8_comm)
+                                    fp8_communication=args.fp8_comm, fp8_config=fp8_config)
     return Booster(plugin=plugin, device=device)
 
 

@@ -89,7 +89,7 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
         >>> import torch
         >>> from fp8boost.fp8 import Fp8Config, convert_to_fp8
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
-        >>> report = convert_to_fp8(model, Fp8Config(backend="emulated"))
+        >>> report = convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0))
         >>> report.converted, list(report.skipped)
         (['0'], ['1'])
     """
@@ -131,7 +131,7 @@ def convert_from_fp8(model: nn.Module) -> int:
         >>> import torch
         >>> from fp8boost.fp8 import Fp8Config, convert_to_fp8, convert_from_fp8
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-        >>> _ = convert_to_fp8(model, Fp8Config(backend="emulated"))
+        >>> _ = convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0))
         >>> convert_from_fp8(model)
         1
     """

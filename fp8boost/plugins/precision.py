@@ -61,7 +61,17 @@ def prepare_model(model: nn.Module, precision: str, use_fp8: bool,
     if not use_fp8:
         return None
     from fp8boost.fp8 import convert_to_fp8  # the FP8 layer is imported only when used
-    return convert_to_fp8(model, fp8_config)
+    from fp8boost.fp8.backends import warn_once
+
+    report = convert_to_fp8(model, fp8_config)
+    if not report.converted:
+        # use_fp8=True that converts nothing must not pass for an FP8 run.
+        reasons = sorted(set(report.skipped.values()))
+        warn_once(f"fp8-nothing-converted-{reasons}",
+                  "fp8boost: use_fp8=True but no linear layer was converted to FP8 "
+                  f"({'; '.join(reasons) or 'the model has no nn.Linear'}). Pass "
+                  "fp8_config=Fp8Config(min_numel=0) to convert small layers anyway.")
+    return report
 
 
 def make_loss_scaler(precision: str, initial_scale: float, growth_interval: int):

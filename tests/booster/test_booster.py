@@ -17,7 +17,7 @@ from fp8boost.parallel.zero import ZeroOptimizer
 from fp8boost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
 from tests.plugins import helpers as H
 
-EMULATED = Fp8Config(backend="emulated")
+EMULATED = Fp8Config(backend="emulated", min_numel=0)  # tiny layers: convert them anyway
 _TRIPWIRED = ("init_process_group", "new_group", "barrier", "broadcast", "broadcast_object_list",
               "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
               "all_to_all_single", "send", "recv")
@@ -173,3 +173,15 @@ def test_boosted_model_forwards_attributes_and_refuses_reboost():
     assert model.config is model.unwrap().config
     with pytest.raises(ValueError, match="already boosted"):
         booster.boost(model)
+
+
+def test_use_fp8_that_converts_nothing_warns():
+    from fp8boost.fp8 import backends
+
+    backends._WARNED.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    booster = Booster(mixed_precision=MixedPrecision("fp8", Fp8Config(backend="emulated")),
+                      device="cpu")
+    with pytest.warns(UserWarning, match="no linear layer was converted"):
+        booster.boost(model)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
