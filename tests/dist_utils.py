@@ -19,14 +19,18 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(fn, rank, world_size, init_file, queue, args):
+def _worker(fn, rank, world_size, init_file, queue, args, backend="gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -37,13 +41,17 @@ def _worker(fn, rank, world_size, init_file, queue, args):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0,
+                    backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    ``backend="nccl"`` (GPU machine only) gives rank r the GPU ``cuda:r``.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, queue, args),
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, queue, args, backend),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()

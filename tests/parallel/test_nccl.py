@@ -1,0 +1,106 @@
+"""NCCL on 2 GPUs (run on the device machine): FP8 collectives, and ZeRO-2 + FP8 + FP8 comm
+against a single-process FP8 run.
+
+Error bounds: an FP8 cast errs by at most 2^-4 (e4m3) / 2^-3 (e5m2) of each element's magnitude
+(normal range), plus up to one FP8 subnormal step (x2 for power-of-two scales); the BF16
+result adds 2^-9 relative rounding. A reduce-scatter sums ``world`` such terms.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.multigpu
+
+
+def _check_bound(out, ref, terms, rel):
+    err = (out.float() - ref.float()).abs()
+    # Subnormal step: 2^-9 of e4m3's range of 448 per scale, times 2 for power-of-two scales.
+    bound = rel * terms + 2 ** -9 * ref.float().abs() + 2 * 2 ** -9 / 448 * 2 * terms.max()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+    assert err.max() > 0  # FP8 really was used
+
+
+def _collectives(rank, world):
+    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.parallel.fp8_comm import all_gather_fp8, all_reduce_fp8, reduce_scatter_fp8
+
+    dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    cfg = Fp8CommConfig(min_numel=0)
+    xs = [(torch.randn(8192, 96, generator=torch.Generator().manual_seed(r)) * (r + 1))
+          .to(dev, torch.bfloat16) for r in range(world)]
+    x = xs[rank]
+    ag = all_gather_fp8(x, config=cfg)
+    ref = torch.cat(xs)
+    _check_bound(ag, ref, ref.float().abs(), 2 ** -4)
+    rs = reduce_scatter_fp8(x, config=cfg)
+    full = torch.stack([t.float() for t in xs])
+    chunk = slice(rank * 8192 // world, (rank + 1) * 8192 // world)
+    _check_bound(rs, full.sum(0)[chunk], full.abs().sum(0)[chunk], 2 ** -3)
+    ar = x.clone()
+    all_reduce_fp8(ar, config=cfg)
+    # FP8 reduce-scatter, then an e5m2 all-gather of the partial sums: two roundings.
+    _check_bound(ar, full.sum(0), full.abs().sum(0), 2 ** -3 * 2.2)
+    return True
+
+
+def test_fp8_collectives_on_nccl():
+    assert all(run_distributed(_collectives, 2, backend="nccl"))
+
+
+def _train(booster, model, opt, rank, world, dev, steps=6):
+    losses = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(1000 + s)
+        x, y = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+        b = 64 // world
+        x, y = x[rank * b:(rank + 1) * b].to(dev), y[rank * b:(rank + 1) * b].to(dev)
+        loss = F.mse_loss(model(x.bfloat16()).float(), y)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+def _make(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 256))
+
+
+def _zero2(rank, world):
+    from fp8boost.booster import Booster, MixedPrecision
+    from fp8boost.fp8 import Fp8Config, Fp8Linear
+    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.plugins import LowLevelZeroPlugin
+
+    dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    fp8 = Fp8Config(min_numel=0)  # backend auto: Triton on the GPU
+    ref_model = _make()
+    ref = Booster(mixed_precision=MixedPrecision("fp8", fp8), device=dev)
+    m, o, *_ = ref.boost(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3))
+    ref_losses = _train(ref, m, o, 0, 1, dev)
+    model = _make()
+    plugin = LowLevelZeroPlugin(stage=2, use_fp8=True, fp8_communication=True, fp8_config=fp8,
+                                comm_config=Fp8CommConfig(min_numel=0))
+    booster = Booster(plugin=plugin, device=dev)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert sum(isinstance(mod, Fp8Linear) for mod in model.modules()) == 2
+    losses = _train(booster, model, opt, rank, world, dev)
+    assert losses[-1] < losses[0]
+    # Per-rank amax (half batch) and FP8 wire rounding vs one process: same bounds as the CPU
+    # plugin tests (tests/plugins/test_plugins_distributed.py).
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 2e-2
+    return losses
+
+
+def test_zero2_fp8_comm_matches_single_process_on_nccl():
+    a, b = run_distributed(_zero2, 2, backend="nccl")
+    assert a == b
