@@ -19,7 +19,6 @@ Writes JSON to $OUT if set, else bench/results/cast_<date>.json; prints a table 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -27,28 +26,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import env_info, write_json  # noqa: E402 (bench/ is on sys.path)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(8192, 4096), (4096, 4096), (8192, 11008)]
 
 
-def env_info(argv) -> dict:
-    import triton
-
-    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": "python " + " ".join(argv)}
 
 
-def write_json(name: str, payload: dict) -> str:
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                    "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}_{datetime.date.today().isoformat()}.json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    return path
 
 
 def copy_bandwidth() -> float:

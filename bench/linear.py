@@ -22,7 +22,6 @@ Writes JSON to $OUT if set, else bench/results/linear_<date>.json; prints a tabl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -31,27 +30,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import env_info, write_json  # noqa: E402 (bench/ is on sys.path)
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288)]
 
 
-def env_info(argv) -> dict:
-    import triton
-
-    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": "python " + " ".join(argv)}
 
 
-def write_json(name: str, payload: dict) -> str:
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                    "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}_{datetime.date.today().isoformat()}.json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    return path
 
 
 def make_layer(kind: str, k: int, n: int, base: nn.Linear) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fp8boost.parallel.zero.optimizer import OptimizerProxy
 from fp8boost.parallel.zero.sharding import ParamShard, make_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -80,7 +81,7 @@ class ModelWrapper(nn.Module):
             return getattr(self.unwrap(), name)
 
 
-class OptimizerWrapper:
+class OptimizerWrapper(OptimizerProxy):
     """A torch optimizer plus ``backward``/clipping and the checkpoint protocol (no sharding).
 
     Args:
@@ -92,18 +93,6 @@ class OptimizerWrapper:
         self.optim = optimizer
         self.max_norm = float(max_norm)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optim.defaults
 
     def __repr__(self) -> str:
         return f"OptimizerWrapper({self.optim!r}, max_norm={self.max_norm})"

@@ -28,7 +28,25 @@ from .loss_scaler import DynamicLossScaler
 from .sharding import ParamShard, make_shard
 
 
-class ZeroOptimizer:
+class OptimizerProxy:
+    """The ``torch.optim`` surface (param_groups, state, defaults) of a wrapped ``self.optim``."""
+
+    optim: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optim.defaults
+
+
+class ZeroOptimizer(OptimizerProxy):
     """Wrap a torch optimizer so its master weights and state are sharded over ``dp_group``.
 
     Build the torch optimizer on the model's (already low-precision) parameters, then wrap it.
@@ -123,19 +141,6 @@ class ZeroOptimizer:
                 seen.add(id(p))
                 if not p.is_floating_point():
                     raise TypeError(f"optimizer parameters must be floating point, got {p.dtype}")
-
-    # ---------------------------------------------------------------- torch.optim-like surface
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optim.defaults
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, "
