@@ -8,6 +8,7 @@ winner; every later call is one dict lookup.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -106,4 +107,9 @@ class ConfigCache:
         if not results:
             raise RuntimeError(f"fp8boost {self.name}: no kernel config ran for {key}") from last_exc
         self.timings[key] = results
-        return min(results, key=lambda r: r[1])[0]
+        best, ms = min(results, key=lambda r: r[1])
+        # Visible, never silent: which kernel won this shape (e.g. cuBLAS for promoted GEMMs).
+        logging.getLogger("fp8boost.fp8.kernels").info(
+            "fp8boost %s: %s picked for %s (%.3f ms of %d candidates)", self.name, best, key, ms,
+            len(results))
+        return best
