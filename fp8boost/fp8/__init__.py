@@ -1,6 +1,7 @@
 """The FP8 core: recipes, scaling, backends (emulated / cuBLAS / Triton), Fp8Linear, conversion."""
 from .config import Fp8Config
 from .convert import convert_to_fp8, convert_from_fp8, ConversionReport
-from .linear import Fp8Linear
+from .linear import Fp8Linear, invalidate_weight_caches
 
-__all__ = ["Fp8Config", "Fp8Linear", "convert_to_fp8", "convert_from_fp8", "ConversionReport"]
+__all__ = ["Fp8Config", "Fp8Linear", "convert_to_fp8", "convert_from_fp8", "ConversionReport",
+           "invalidate_weight_caches"]

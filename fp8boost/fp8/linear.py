@@ -9,8 +9,11 @@ as Hopper FP8 tensor cores require:
 
 So each cast emits the row-major copy and, when backward needs it, the transposed copy in one
 pass. Backward saves ``xq_t`` (1 byte/element), never the BF16 input. Bias stays in high
-precision. The weight cast is cached while the weight is unchanged (same storage, same version
-counter): micro-batches and gradient accumulation reuse it; an optimizer step invalidates it.
+precision. The weight cast is cached while the weight is unchanged: micro-batches and gradient
+accumulation reuse it. Any optimizer step (a global ``torch.optim`` step hook, registered on
+first use, since fused optimizers do not bump version counters), an in-place write to the
+Parameter (its version counter) or a new storage invalidates it. Writes through ``.data`` are
+invisible to all three: call :func:`invalidate_weight_caches` after them.
 """
 from __future__ import annotations
 
@@ -24,6 +27,35 @@ from .config import Fp8Config
 from .scaling import DelayedScalingState, Fp8Tensor, amax
 
 _ROLES = ("input", "weight", "grad")
+_STEP_EPOCH = [0]  # bumped after every optimizer step of the process
+_STEP_HOOK: list = []
+
+
+def _bump_epoch(*_args) -> None:
+    _STEP_EPOCH[0] += 1
+
+
+def _ensure_step_hook() -> None:
+    # Registered lazily (first FP8 forward), never at import time.
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_bump_epoch))
+
+
+def invalidate_weight_caches(model: nn.Module) -> None:
+    """Drop every cached FP8 weight cast in ``model`` (after writing weights through ``.data``).
+
+    Example:
+        >>> import torch
+        >>> from fp8boost.fp8 import Fp8Config, Fp8Linear
+        >>> from fp8boost.fp8.linear import invalidate_weight_caches
+        >>> layer = Fp8Linear(32, 32, config=Fp8Config(backend="emulated"))
+        >>> invalidate_weight_caches(layer)
+    """
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear):
+            mod._w_cache = None
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -159,11 +191,13 @@ class Fp8Linear(nn.Linear):
     def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
         w = self.weight
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
-        key = (w.data_ptr(), w._version, w.dtype, w.device, self._fp8_backend.name)
-        if use_cache and self._w_cache is not None and self._w_cache[0] == key:
-            wq = self._w_cache[1]
-            if wq.data_t is not None or not with_transpose:
-                return wq
+        key = None
+        if use_cache:
+            _ensure_step_hook()
+            key = (w.data_ptr(), w._version, _STEP_EPOCH[0], w.dtype, w.device,
+                   self._fp8_backend.name)
+            if self._w_cache is not None and self._w_cache[0] == key:
+                return self._w_cache[1]  # cached casts always carry the transpose
         # Always emit the transpose when caching: the next backward will want it.
         wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
                             with_transpose=with_transpose or use_cache)

@@ -196,3 +196,33 @@ def test_zero_input_gives_bias_only():
     layer = make()
     y = layer(torch.zeros(4, 96))
     torch.testing.assert_close(y, layer.bias.detach().expand(4, 48))
+
+
+@pytest.mark.parametrize("opt_kwargs", [{"foreach": True}, {"fused": True}])
+def test_weight_cache_is_invalidated_by_any_optimizer_step(opt_kwargs):
+    # fused AdamW updates parameters without bumping their version counter: the cache must
+    # still notice the step.
+    layer = make()
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, **opt_kwargs)
+    x = torch.randn(8, 96)
+    layer(x).sum().backward()
+    opt.step()
+    fresh = make(seed=5)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x), fresh(x))
+
+
+def test_weight_cache_after_data_writes_needs_explicit_invalidation():
+    from fp8boost.fp8.linear import invalidate_weight_caches
+
+    layer = make()
+    x = torch.randn(8, 96)
+    before = layer(x)
+    with torch.no_grad():
+        layer.weight.data.copy_(torch.randn_like(layer.weight) * 0.5)  # no version bump
+    assert torch.equal(before, layer(x))  # documented limit: .data writes are invisible
+    invalidate_weight_caches(layer)
+    fresh = make(seed=5)
+    fresh.load_state_dict(layer.state_dict())
+    assert not torch.equal(before, layer(x))
+    assert torch.equal(layer(x), fresh(x))
