@@ -504,6 +504,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
             path = output_path(args)
             write_report(report, path)
             print(f"[bench] JSON written to {path}\n" + format_table(report), flush=True)
+        dist.barrier()  # see examples/train_llama.py: no early teardown while a peer finishes
         return report
     finally:
         dist.destroy_process_group()

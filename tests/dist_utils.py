@@ -33,6 +33,7 @@ def _worker(fn, rank, world_size, init_file, queue, args, backend="gloo"):
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears its group down while a peer is still using it
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
