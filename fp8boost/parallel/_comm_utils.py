@@ -224,6 +224,14 @@ def _check_same_device(a: torch.Tensor, b: torch.Tensor) -> None:
                          f"{b.device}")
 
 
+def _check_pair(output: torch.Tensor, input: torch.Tensor, group) -> tuple[int, int]:
+    """Validate an (output, input) collective pair; return the group's (world size, rank)."""
+    _check_tensor(output, "output")
+    _check_tensor(input, "input")
+    _check_same_device(input, output)
+    return _group_info(group)
+
+
 def _staging(output: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype] = None):
     """A contiguous ``shape`` view to write into, and a commit() copying it into ``output``."""
     dtype = dtype or output.dtype

@@ -46,7 +46,7 @@ from fp8boost.fp8.scaling import scale_from_amax
 
 # _LOGGED and _reduce_scatter_single are re-exported for tests and bench/comm.py.
 from ._comm_utils import (_LOGGED, Fp8Work, ReduceOpLike, _all_gather_single,  # noqa: F401
-                          _cast_impl, _check_same_device, _check_tensor, _complete, _config,
+                          _cast_impl, _check_pair, _check_tensor, _complete, _config,
                           _fp8_dtype, _group_info, _plan, _post_scale, _reduce_scatter_single,
                           _staging, _waiting)
 from .comm_config import MAX_PIPELINE_STAGES, Fp8CommConfig
@@ -124,10 +124,7 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
     """
     cfg = _config(config)
     dt = _fp8_dtype(fp8_dtype, cfg.param_dtype)
-    _check_tensor(output, "output")
-    _check_tensor(input, "input")
-    _check_same_device(input, output)
-    ws, _ = _group_info(group)
+    ws, _ = _check_pair(output, input, group)
     n = input.numel()
     if output.numel() != ws * n:
         raise ValueError(f"output must hold world_size * input.numel() = {ws} * {n} elements, "
@@ -225,10 +222,7 @@ def reduce_scatter_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=N
     """
     cfg = _config(config)
     dt = _fp8_dtype(fp8_dtype, cfg.grad_dtype)
-    _check_tensor(output, "output")
-    _check_tensor(input, "input")
-    _check_same_device(input, output)
-    ws, rank = _group_info(group)
+    ws, rank = _check_pair(output, input, group)
     post = _post_scale(op, ws)
     m = output.numel()
     if input.numel() != ws * m:
@@ -403,10 +397,7 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
     """
     cfg = _config(config)
     dt = _fp8_dtype(fp8_dtype, cfg.param_dtype)
-    _check_tensor(output, "output")
-    _check_tensor(input, "input")
-    _check_same_device(input, output)
-    ws, rank = _group_info(group)
+    ws, rank = _check_pair(output, input, group)
     if input.dim() == 0 or output.dim() == 0:
         raise ValueError("all_to_all_fp8 splits dim 0: pass tensors with at least one dim")
     row = math.prod(input.shape[1:])
