@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fp8boost.parallel import fp8_comm as fc  # noqa: E402
-from fp8boost.parallel.comm_config import Fp8CommConfig  # noqa: E402
-from fp8boost.parallel.fp8_wire import dequantize_rows, quantize_rows, segment_bytes  # noqa: E402
+from fp8boost.parallel.comm import collectives as fc  # noqa: E402
+from fp8boost.parallel.comm.config import Fp8CommConfig  # noqa: E402
+from fp8boost.parallel.comm.wire import dequantize_rows, quantize_rows, segment_bytes  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 # The pipelined variant (the default before 2026-11-22), timed against the one-stage default.

@@ -11,47 +11,13 @@ Backends: ``emulated`` (reference; any device), ``cublas`` (``torch._scaled_mm``
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 
-from .scaling import Fp8Tensor, amax, cast_to_fp8, scale_from_amax
+from fp8boost._state import probe, warn_once  # noqa: F401 - warn_once is re-exported
 
-_WARNED: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Emit a warning the first time ``key`` is seen in this process."""
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
-
-
-class Fp8Backend:
-    """Base class: the reference (torch-op) quantize, subclasses supply ``mm``."""
-
-    name = "base"
-
-    def quantize(self, x: torch.Tensor, dtype: torch.dtype, *, scale: Optional[torch.Tensor] = None,
-                 margin: int = 0, power_of_2: bool = False,
-                 with_transpose: bool = False) -> tuple[Fp8Tensor, torch.Tensor]:
-        """Cast a 2-D tensor; ``scale=None`` means current scaling from this tensor's amax.
-
-        Returns the FP8 tensor and the amax of ``x`` (delayed scaling records it).
-        """
-        a = amax(x)
-        if scale is None:
-            scale = scale_from_amax(a, dtype, margin, power_of_2)
-        data = cast_to_fp8(x, scale, dtype)
-        data_t = data.t().contiguous() if with_transpose else None
-        return Fp8Tensor(data, scale.reciprocal(), data_t), a
-
-    def mm(self, a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor,
-           b_inv_scale: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-           out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False) -> torch.Tensor:
-        raise NotImplementedError
-
+from .backend_base import Fp8Backend
 
 class EmulatedBackend(Fp8Backend):
     """Exact FP8 rounding, FP32 matmul of the dequantized operands. Runs anywhere."""
@@ -116,7 +82,11 @@ def _triton_backend() -> Optional[Fp8Backend]:
 
 
 def _fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return bool(probe(f"fp8-tensor-cores-cuda:{idx}",
+                      lambda: torch.cuda.get_device_capability(idx) >= (8, 9)))
 
 
 def get_backend(name: str, device: torch.device) -> Fp8Backend:

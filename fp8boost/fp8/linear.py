@@ -22,25 +22,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .backends import Fp8Backend, get_backend
+from fp8boost import _state
+
+from .backend_base import Fp8Backend
+from .backends import get_backend
 from .config import Fp8Config
 from .scaling import DelayedScalingState, Fp8Tensor, amax
 
 _ROLES = ("input", "weight", "grad")
-_STEP_EPOCH = [0]  # bumped after every optimizer step of the process
-_STEP_HOOK: list = []
-
-
-def _bump_epoch(*_args) -> None:
-    _STEP_EPOCH[0] += 1
-
-
-def _ensure_step_hook() -> None:
-    # Registered lazily (first FP8 forward), never at import time.
-    if not _STEP_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_bump_epoch))
 
 
 def invalidate_weight_caches(model: nn.Module) -> None:
@@ -193,8 +182,7 @@ class Fp8Linear(nn.Linear):
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
         key = None
         if use_cache:
-            _ensure_step_hook()
-            key = (w.data_ptr(), w._version, _STEP_EPOCH[0], w.dtype, w.device,
+            key = (w.data_ptr(), w._version, _state.step_epoch(), w.dtype, w.device,
                    self._fp8_backend.name)
             if self._w_cache is not None and self._w_cache[0] == key:
                 return self._w_cache[1]  # cached casts always carry the transpose

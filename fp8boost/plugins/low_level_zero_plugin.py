@@ -97,7 +97,7 @@ class LowLevelZeroPlugin(Plugin):
         self.fp8_config = check_fp8_config(fp8_config)
         self.comm_config = check_comm_config(comm_config)
         if fp8_communication:
-            from fp8boost.parallel import fp8_comm  # noqa: F401 - fail now, not mid-boost
+            from fp8boost.parallel.comm import collectives  # noqa: F401 - fail now, not mid-boost
         self.fp8_report = None
 
     def __repr__(self) -> str:

@@ -36,9 +36,9 @@ def check_fp8_config(fp8_config: object) -> Optional[Fp8Config]:
 def check_comm_config(comm_config: object):
     if comm_config is None:
         return None
-    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.parallel.comm.config import Fp8CommConfig
     if not isinstance(comm_config, Fp8CommConfig):
-        raise TypeError("comm_config must be an fp8boost.parallel.comm_config.Fp8CommConfig, "
+        raise TypeError("comm_config must be an fp8boost.parallel.comm.config.Fp8CommConfig, "
                         f"got {type(comm_config).__name__}")
     return comm_config
 

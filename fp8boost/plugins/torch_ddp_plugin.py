@@ -23,7 +23,7 @@ class TorchDDPPlugin(Plugin):
     Args:
         use_fp8: run eligible linear layers' GEMMs in FP8 (``convert_to_fp8``).
         fp8_communication: all-reduce gradients with FP8 payloads
-            (``fp8boost.parallel.ddp_hooks.fp8_allreduce_hook``).
+            (``fp8boost.parallel.ddp.hooks.fp8_allreduce_hook``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (BF16/FP16 keep FP32 master weights in
             the optimizer; FP16 adds dynamic loss scaling). None (default) takes
             ``Booster(mixed_precision=...)``, FP32 if that is unset too.
@@ -66,7 +66,7 @@ class TorchDDPPlugin(Plugin):
         self.fp8_config = check_fp8_config(fp8_config)
         self.comm_config = check_comm_config(comm_config)
         if fp8_communication:
-            from fp8boost.parallel import ddp_hooks  # noqa: F401 - fail now, not mid-boost
+            from fp8boost.parallel.ddp import hooks as ddp_hooks  # noqa: F401 - fail now, not mid-boost
         self.ddp_kwargs = dict(bucket_cap_mb=bucket_cap_mb,
                                find_unused_parameters=find_unused_parameters,
                                gradient_as_bucket_view=gradient_as_bucket_view,
@@ -111,7 +111,7 @@ class TorchDDPPlugin(Plugin):
         return wrapped, opt, criterion, loader, lr_scheduler
 
     def _register_fp8_hook(self, ddp: DDP) -> None:
-        from fp8boost.parallel.ddp_hooks import register_fp8_comm_hook
+        from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
         register_fp8_comm_hook(ddp, config=self.comm_config)  # averages over DDP's own group
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:

@@ -178,7 +178,8 @@ def test_boosted_model_forwards_attributes_and_refuses_reboost():
 def test_use_fp8_that_converts_nothing_warns():
     from fp8boost.fp8 import backends
 
-    backends._WARNED.clear()
+    from fp8boost import _state
+    _state.reset()
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     booster = Booster(mixed_precision=MixedPrecision("fp8", Fp8Config(backend="emulated")),
                       device="cpu")

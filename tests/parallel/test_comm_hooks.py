@@ -52,8 +52,8 @@ def _avg_bound(per_rank: list[torch.Tensor], amaxes: list[float], second_pass: b
 def _check_ddp(rank: int, ws: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fp8boost.parallel.comm_config import Fp8CommConfig
-    from fp8boost.parallel.ddp_hooks import register_fp8_comm_hook
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
 
     local = _mlp(0)
     fp8_ddp = DDP(copy.deepcopy(local), bucket_cap_mb=0.004)  # several buckets
@@ -105,8 +105,8 @@ def _check_fsdp(rank: int, ws: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fp8boost.parallel.comm_config import Fp8CommConfig
-    from fp8boost.parallel.fsdp_fp8 import (enable_fp8_all_gather,
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.fsdp.fp8_all_gather import (enable_fp8_all_gather,
                                             precompute_fp8_all_gather_scales,
                                             set_fp8_reduce_scatter)
 
@@ -221,9 +221,9 @@ def test_ddp_hook_and_fsdp2_fp8_4_ranks():
 def test_fsdp_helpers_validate_input():
     import pytest
 
-    from fp8boost.parallel.comm_config import Fp8CommConfig
-    from fp8boost.parallel.ddp_hooks import Fp8CommHookState, fp8_allreduce_hook
-    from fp8boost.parallel.fsdp_fp8 import enable_fp8_all_gather, set_fp8_reduce_scatter
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.ddp.hooks import Fp8CommHookState, fp8_allreduce_hook
+    from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8_reduce_scatter
     model = nn.Sequential(nn.Linear(4, 4))
     assert enable_fp8_all_gather(model, Fp8CommConfig(enabled=False)) == []
     assert enable_fp8_all_gather(model) == ["0.weight"]

@@ -18,6 +18,8 @@ import os
 
 import pytest
 import torch
+
+from fp8boost._state import was_logged
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
@@ -198,12 +200,12 @@ def _check_p2p(rank, ws, fc, cfg):
 
 
 def _check_fallbacks_and_errors(rank, ws, fc, cfg):
-    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.parallel.comm.config import Fp8CommConfig
     x = make(rank, (4, 8), torch.bfloat16, seed=9)
     big = Fp8CommConfig(min_numel=10**9)
     exact = torch.cat([make(r, (4, 8), torch.bfloat16, seed=9) for r in range(ws)])
     assert torch.equal(fc.all_gather_fp8(x, config=big), exact)  # plain collective: exact
-    assert ("all_gather", "small") in fc._LOGGED
+    assert was_logged(("fp8_comm", "all_gather", "small"))
     assert torch.equal(fc.all_gather_fp8(x, config=cfg.replace(enabled=False)), exact)
     ints = torch.arange(6, dtype=torch.int32) + rank
     fc.all_reduce_fp8(ints, config=cfg)
@@ -223,7 +225,7 @@ def _check_fallbacks_and_errors(rank, ws, fc, cfg):
     assert torch.equal(fc.reduce_scatter_fp8(y, solo, op="avg", config=cfg), y)
     z = y.clone()
     fc.all_reduce_fp8(z, solo, op="sum", config=cfg)
-    assert torch.equal(z, y) and ("all_reduce", "ws1") in fc._LOGGED
+    assert torch.equal(z, y) and was_logged(("fp8_comm", "all_reduce", "ws1"))
 
 
 def _check_wire_bytes(rank, ws, fc, cfg):
@@ -274,8 +276,8 @@ def _check_wire_bytes(rank, ws, fc, cfg):
 
 
 def _worker(rank, ws, with_extras):
-    from fp8boost.parallel import fp8_comm as fc
-    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.parallel.comm import collectives as fc
+    from fp8boost.parallel.comm.config import Fp8CommConfig
     cfg = Fp8CommConfig(min_numel=0, cast_impl="torch")
     # pipeline_bytes=64: these small payloads run in 2-4 stages, each with its own scales
     for c in (cfg, cfg.replace(pipeline_bytes=64)):
@@ -304,8 +306,8 @@ def _exact_fp8_values(rank, n, dt, seed):
 def _check_triton_interpreter(rank, ws, fc):
     """The Triton casts (run by the interpreter) give the torch path's bytes on exact values."""
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
-    from fp8boost.parallel.comm_config import Fp8CommConfig
-    from fp8boost.parallel._comm_utils import triton_selftest
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.comm._utils import triton_selftest
     ok, why = triton_selftest(torch.device("cpu"))  # runs every kernel; the interpreter's own
     assert isinstance(ok, bool) and (ok or why)      # FP8 rounding may fail the byte check
     tri = Fp8CommConfig(min_numel=0, cast_impl="triton")
@@ -355,9 +357,10 @@ def test_fp8_collectives_4_ranks():
 
 def test_fallback_logging_names_the_reason(caplog):
     """The once-only fallback message is emitted through logging, naming the reason."""
-    from fp8boost.parallel import fp8_comm as fc
-    from fp8boost.parallel.comm_config import Fp8CommConfig
-    fc._LOGGED.discard(("unit", "small"))
+    from fp8boost.parallel.comm import collectives as fc
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost import _state
+    _state.forget_logged(("fp8_comm", "unit", "small"))
     with caplog.at_level(logging.WARNING, logger="fp8boost.parallel.fp8_comm"):
         plan = fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_numel=10))
         fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_numel=10))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fp8boost.fp8.scaling import cast_to_fp8, dequantize, scale_from_amax
-from fp8boost.parallel.comm_config import Fp8CommConfig
-from fp8boost.parallel.fp8_wire import (ALIGN, TRAILER, dequantize_rows, dequantize_sum_rows,
+from fp8boost.parallel.comm.config import Fp8CommConfig
+from fp8boost.parallel.comm.wire import (ALIGN, TRAILER, dequantize_rows, dequantize_sum_rows,
                                         num_stages, quantize_rows, read_inv_scales, row_amax,
                                         segment_bytes, stage_bounds, stage_scales)
 

@@ -24,7 +24,7 @@ def _check_bound(out, ref, terms, rel):
 
 
 def _collectives(rank, world):
-    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.parallel.comm.config import Fp8CommConfig
     from fp8boost.parallel.fp8_comm import all_gather_fp8, all_reduce_fp8, reduce_scatter_fp8
 
     dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -78,7 +78,7 @@ def _make(seed=0):
 def _zero2(rank, world):
     from fp8boost.booster import Booster, MixedPrecision
     from fp8boost.fp8 import Fp8Config, Fp8Linear
-    from fp8boost.parallel.comm_config import Fp8CommConfig
+    from fp8boost.parallel.comm.config import Fp8CommConfig
     from fp8boost.plugins import LowLevelZeroPlugin
 
     dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")

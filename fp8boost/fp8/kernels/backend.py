@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..backends import Fp8Backend
+from ..backend_base import Fp8Backend
 from ..scaling import Fp8Tensor
 from . import cast, gemm, ops
 

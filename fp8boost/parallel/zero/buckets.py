@@ -41,7 +41,7 @@ class Collectives:
         self._fp8_comm = None
         if fp8:
             # Imported only when asked for: the FP8 collectives are an optional layer.
-            from fp8boost.parallel import fp8_comm
+            from fp8boost.parallel.comm import collectives as fp8_comm
             self._fp8_comm = fp8_comm
 
     def _fp8_kwargs(self, role: str) -> dict:

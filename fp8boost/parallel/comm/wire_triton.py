@@ -1,4 +1,4 @@
-"""Fused Triton casts for the FP8 wire format (see :mod:`fp8boost.parallel.fp8_wire`).
+"""Fused Triton casts for the FP8 wire format (see :mod:`fp8boost.parallel.comm.wire`).
 
 Each cast is one memory-bound pass: read the high-precision rows once, write FP8 bytes once (and
 the reverse), instead of the 3-4 passes of the torch reference. Imported lazily by

@@ -45,10 +45,10 @@ from torch.utils import _pytree as pytree
 
 from fp8boost.fp8.scaling import amax, scale_from_amax
 
-from .comm_config import Fp8CommConfig
-from ._comm_utils import _cast_impl
-from .fp8_comm import reduce_scatter_tensor_fp8
-from .fp8_wire import cast_rows_into, decode_rows_into
+from ..comm.config import Fp8CommConfig
+from ..comm._utils import _cast_impl
+from ..comm.collectives import reduce_scatter_tensor_fp8
+from ..comm.wire import cast_rows_into, decode_rows_into
 
 __all__ = ["Fp8AllGatherWeight", "Fp8ReduceScatter", "enable_fp8_all_gather",
            "set_fp8_reduce_scatter", "precompute_fp8_all_gather_scales"]

@@ -32,7 +32,7 @@ class Fp8CommConfig:
 
     Example:
         >>> import torch
-        >>> from fp8boost.parallel.comm_config import Fp8CommConfig
+        >>> from fp8boost.parallel.comm.config import Fp8CommConfig
         >>> cfg = Fp8CommConfig(min_numel=1 << 20)
         >>> cfg.param_dtype, cfg.grad_dtype
         (torch.float8_e4m3fn, torch.float8_e5m2)

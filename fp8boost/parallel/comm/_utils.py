@@ -12,10 +12,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .comm_config import Fp8CommConfig
+from fp8boost import _state
+
+from .config import Fp8CommConfig
 
 logger = logging.getLogger("fp8boost.parallel.fp8_comm")
-_LOGGED: set[tuple[str, str]] = set()
 _DEFAULT_CONFIG: Optional[Fp8CommConfig] = None
 
 ReduceOpLike = Union[str, Any]  # "sum" | "avg" | torch.distributed.ReduceOp (SUM/AVG/PREMUL_SUM)
@@ -60,9 +61,7 @@ class Fp8Work:
 
 
 def _log_once(op: str, reason: str, message: str, level: int = logging.WARNING) -> None:
-    if (op, reason) not in _LOGGED:
-        _LOGGED.add((op, reason))
-        logger.log(level, "fp8boost %s: %s", op, message)
+    _state.log_once(logger, ("fp8_comm", op, reason), f"fp8boost {op}: {message}", level)
 
 
 def _config(config: Optional[Fp8CommConfig]) -> Fp8CommConfig:
@@ -149,12 +148,8 @@ def _cast_impl(cfg: Fp8CommConfig, device: torch.device) -> str:
     return "triton" if _triton_usable(device) else "torch"
 
 
-_TRITON_OK: dict[str, bool] = {}
-
-
 def _triton_usable(device: torch.device) -> bool:
-    key = str(device)
-    if key not in _TRITON_OK:
+    def check() -> bool:
         try:
             ok, why = triton_selftest(device)
         except Exception as exc:  # noqa: BLE001 - import and compile errors have many types
@@ -162,8 +157,8 @@ def _triton_usable(device: torch.device) -> bool:
         if not ok:
             _log_once("cast", "triton-broken", f"Triton FP8 casts unusable on {device} ({why}); "
                       "using the slower torch ops")
-        _TRITON_OK[key] = ok
-    return _TRITON_OK[key]
+        return ok
+    return bool(_state.probe(f"comm-triton-casts-{device}", check))
 
 
 def triton_selftest(device: torch.device) -> tuple[bool, str]:
@@ -172,8 +167,8 @@ def triton_selftest(device: torch.device) -> tuple[bool, str]:
     Returns ``(ok, reason)``. Casts and decodes must be bit-identical; the FP32 sums may differ
     by FMA contraction only.
     """
-    from . import fp8_wire_triton  # noqa: F401,WPS433 (lazy: imports triton)
-    from .fp8_wire import dequantize_rows, dequantize_sum_rows, quantize_rows, segment_bytes
+    from . import wire_triton as fp8_wire_triton  # noqa: F401,WPS433 (lazy: imports triton)
+    from .wire import dequantize_rows, dequantize_sum_rows, quantize_rows, segment_bytes
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 100, generator=g) * torch.tensor([[1e-3], [1.0], [300.0]])

@@ -20,8 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .comm_config import Fp8CommConfig
-from .fp8_comm import all_reduce_fp8
+from ..comm.config import Fp8CommConfig
+from ..comm.collectives import all_reduce_fp8
 
 __all__ = ["Fp8CommHookState", "fp8_allreduce_hook", "register_fp8_comm_hook"]
 

@@ -103,7 +103,7 @@ def cast_rows_into(x2d: torch.Tensor, scale: torch.Tensor, data: torch.Tensor,
     if x2d.numel() == 0:
         return
     if impl == "triton":
-        from . import fp8_wire_triton  # noqa: WPS433 (lazy: imports triton)
+        from . import wire_triton as fp8_wire_triton  # noqa: WPS433 (lazy: imports triton)
         fp8_wire_triton.cast_rows(x2d, scale, data, fp8_dtype)
         return
     out = data.view(fp8_dtype)
@@ -123,7 +123,7 @@ def decode_rows_into(data: torch.Tensor, inv: torch.Tensor, fp8_dtype: torch.dty
     if out.numel() == 0:
         return
     if impl == "triton":
-        from . import fp8_wire_triton  # noqa: WPS433
+        from . import wire_triton as fp8_wire_triton  # noqa: WPS433
         fp8_wire_triton.dequant_rows(data, inv, out, out.shape[1], fp8_dtype)
         return
     q = data.view(fp8_dtype)
@@ -178,7 +178,7 @@ def dequantize_sum_rows(packed: torch.Tensor, numel: int, fp8_dtype: torch.dtype
     if numel == 0:
         return
     if impl == "triton":
-        from . import fp8_wire_triton  # noqa: WPS433
+        from . import wire_triton as fp8_wire_triton  # noqa: WPS433
         inv = read_inv_scales(packed, numel)
         fp8_wire_triton.dequant_sum(packed, inv, local, out, numel, fp8_dtype, post_scale)
         return

@@ -1,0 +1,99 @@
+"""Process-wide state of fp8boost, in one place.
+
+Everything here lives for the life of the process and is created lazily (nothing runs at
+import time):
+
+* warn-once keys (``warn_once``) and log-once keys (``log_once``): each fallback or notice is
+  reported once per process and reason;
+* the optimizer-step epoch: bumped after every ``torch.optim`` step by a global hook registered
+  on first use; FP8 weight-cast caches compare against it, since fused optimizers step without
+  bumping the Parameters' version counters;
+* capability probes: results of one-time checks per device (FP8 tensor cores, Triton
+  self-tests), cached under a string key.
+
+Tests may call :func:`reset` to start from a clean slate.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Callable, Hashable
+
+_LOCK = threading.Lock()
+_WARNED: set[Hashable] = set()
+_LOGGED: set[Hashable] = set()
+_STEP_EPOCH = [0]
+_STEP_HOOK: list = []
+_PROBES: dict[str, object] = {}
+
+
+def warn_once(key: Hashable, message: str, stacklevel: int = 3) -> None:
+    """Emit ``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    with _LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(message, stacklevel=stacklevel)
+
+
+def log_once(logger: logging.Logger, key: Hashable, message: str,
+             level: int = logging.WARNING) -> bool:
+    """Log ``message`` the first time ``key`` is seen; returns whether it was logged."""
+    with _LOCK:
+        if key in _LOGGED:
+            return False
+        _LOGGED.add(key)
+    logger.log(level, message)
+    return True
+
+
+def was_logged(key: Hashable) -> bool:
+    """Whether ``log_once`` has logged ``key`` in this process."""
+    return key in _LOGGED
+
+
+def forget_logged(key: Hashable) -> None:
+    """Let ``key`` be logged again (tests)."""
+    with _LOCK:
+        _LOGGED.discard(key)
+
+
+def _bump_epoch(*_args) -> None:
+    _STEP_EPOCH[0] += 1
+
+
+def step_epoch() -> int:
+    """Number of optimizer steps taken in this process since the hook was registered.
+
+    The first call registers a global ``torch.optim`` step-post hook (lazily: never at import).
+    """
+    if not _STEP_HOOK:
+        with _LOCK:
+            if not _STEP_HOOK:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                _STEP_HOOK.append(register_optimizer_step_post_hook(_bump_epoch))
+    return _STEP_EPOCH[0]
+
+
+def bump_step_epoch() -> None:
+    """Invalidate every epoch-keyed cache (as an optimizer step does)."""
+    _bump_epoch()
+
+
+def probe(key: str, compute: Callable[[], object]) -> object:
+    """``compute()`` once per ``key`` for the life of the process (device capability checks)."""
+    if key not in _PROBES:
+        value = compute()
+        with _LOCK:
+            _PROBES.setdefault(key, value)
+    return _PROBES[key]
+
+
+def reset() -> None:
+    """Forget warn/log-once keys and probe results (tests). The step hook stays registered."""
+    with _LOCK:
+        _WARNED.clear()
+        _LOGGED.clear()
+        _PROBES.clear()

@@ -1,0 +1,9 @@
+"""FP8 communication: the collectives, their wire format and their configuration.
+
+``collectives`` (public as :mod:`fp8boost.parallel.fp8_comm`) casts, sends FP8 bytes and
+decodes; ``wire`` / ``wire_triton`` own the byte layout and the cast kernels; ``config`` holds
+:class:`Fp8CommConfig`. Nothing here knows about plugins or models.
+"""
+from .config import Fp8CommConfig
+
+__all__ = ["Fp8CommConfig"]

@@ -1,0 +1,1 @@
+"""DistributedDataParallel communication hooks (FP8 gradient all-reduce)."""

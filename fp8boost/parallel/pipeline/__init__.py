@@ -1,0 +1,1 @@
+"""Pipeline parallelism (``torch.distributed.pipelining`` stages and schedules)."""

@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism (DTensor styles, HF model policies): HybridParallelPlugin."""
