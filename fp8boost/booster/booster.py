@@ -9,7 +9,6 @@ from torch import nn
 
 from fp8boost.plugins.plugin_base import Plugin
 
-from . import checkpoint_io as cio
 from .mixed_precision import MixedPrecision, LocalPlugin
 
 
@@ -87,9 +86,14 @@ class Booster:
         return self.plugin.clip_grad_norm_(model, optimizer, max_norm, norm_type)
 
     # ------------------------------------------------------------------------- checkpoints
+    # Every save/load is delegated to the plugin's CheckpointIO: only the plugin knows how its
+    # model and optimizer are laid out across ranks.
     def save_model(self, model: nn.Module, path: str, shard: bool = True,
                    size_per_shard_mb: float = 1024) -> None:
         """Save the model's weights as a safetensors directory ``from_pretrained`` can load.
+
+        Every plugin writes the same HF layout, gathering sharded parameters one at a time
+        (never the whole model on one rank). Collective: call it on every rank.
 
         Args:
             model: the boosted model (or the raw one).
@@ -97,54 +101,52 @@ class Booster:
             shard: write ``model-0000x-of-0000y.safetensors`` + index (else one ``model.safetensors``).
             size_per_shard_mb: maximum shard size in MiB.
         """
-        if not isinstance(size_per_shard_mb, (int, float)) or size_per_shard_mb <= 0:
-            raise ValueError(f"size_per_shard_mb must be > 0, got {size_per_shard_mb!r}")
-        module = self.plugin.unwrap_model(model)
-        group = self.plugin.dp_group
-        is_writer = cio._rank(group) == 0
-        overrides = self.plugin.exact_weights(model)  # collective: before rank 0 writes alone
-
-        def write(tmp: str) -> None:
-            if is_writer:
-                cio.write_model(module, tmp, shard, size_per_shard_mb, overrides)
-
-        cio.atomic_save_dir(path, group, write, (cio.MODEL_INDEX, cio.MODEL_SINGLE))
+        self.plugin.get_checkpoint_io().save_model(model, os.fspath(path), shard, size_per_shard_mb)
 
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
-        """Load weights saved by ``save_model`` (or HF ``save_pretrained``) into every replica.
+        """Load weights saved by ``save_model`` (or HF ``save_pretrained``) into the boosted model.
 
-        Load the model before the optimizer: loading model weights re-derives ZeRO master
-        weights from them, and ``load_optimizer`` then restores the exact FP32 masters.
+        Sharded plugins read only each rank's part. Load the model before the optimizer: loading
+        model weights re-derives master weights, and ``load_optimizer`` then restores the exact
+        FP32 masters.
         """
-        cio.read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
-        self.plugin.after_load_model(model)
+        self.plugin.get_checkpoint_io().load_model(model, os.fspath(path), strict)
 
     def save_optimizer(self, optimizer, path: str) -> None:
         """Save optimizer state (sharded per rank; reloadable into any world size)."""
-        cio._check_optimizer(optimizer)
-        group = self.plugin.dp_group
-        is_writer = optimizer.shard_world_size > 1 or cio._rank(group) == 0
-        cio.atomic_save_dir(path, group, lambda tmp: cio.write_optimizer(optimizer, tmp, is_writer),
-                            (cio.OPTIM_INDEX,))
+        self.plugin.get_checkpoint_io().save_optimizer(optimizer, os.fspath(path))
 
     def load_optimizer(self, optimizer, path: str) -> None:
         """Load optimizer state saved by ``save_optimizer`` with any world size."""
-        cio._check_optimizer(optimizer)
-        cio.read_optimizer(optimizer, os.fspath(path))
+        self.plugin.get_checkpoint_io().load_optimizer(optimizer, os.fspath(path))
 
     def save_lr_scheduler(self, lr_scheduler, path: str) -> None:
         """Save ``lr_scheduler.state_dict()`` to the file ``path`` (atomically, rank 0 writes)."""
-        if not hasattr(lr_scheduler, "state_dict"):
-            raise TypeError(f"lr_scheduler must have state_dict(), got {type(lr_scheduler).__name__}")
-        group = self.plugin.dp_group
-        if cio._rank(group) == 0:
-            path = os.path.abspath(path)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            torch.save(lr_scheduler.state_dict(), tmp)
-            os.replace(tmp, path)
-        cio._barrier(group)
+        self.plugin.get_checkpoint_io().save_lr_scheduler(lr_scheduler, os.fspath(path))
 
     def load_lr_scheduler(self, lr_scheduler, path: str) -> None:
         """Load a scheduler state saved by ``save_lr_scheduler``."""
-        lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.plugin.get_checkpoint_io().load_lr_scheduler(lr_scheduler, os.fspath(path))
+
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
+                        extra: Optional[dict] = None) -> None:
+        """Save everything needed to resume training into one directory, atomically.
+
+        Sharded plugins (Gemini, TorchFSDP) write through ``torch.distributed.checkpoint``:
+        each rank writes its own shards, and ``load_checkpoint`` reshards to another world
+        size. ``extra`` (JSON-serialisable: step, data position, ...) comes back from
+        ``load_checkpoint``. A save that dies midway leaves the previous checkpoint loadable.
+
+        Example:
+            >>> booster.save_checkpoint("ckpt/step-100", model, optimizer, sched,
+            ...                         extra={"step": 100})                  # doctest: +SKIP
+            >>> extra = booster.load_checkpoint("ckpt/step-100", model, optimizer, sched)  # doctest: +SKIP
+        """
+        self.plugin.get_checkpoint_io().save_checkpoint(os.fspath(path), model, optimizer,
+                                                        lr_scheduler, extra)
+
+    def load_checkpoint(self, path: str, model: nn.Module, optimizer=None,
+                        lr_scheduler=None) -> dict:
+        """Restore a directory written by ``save_checkpoint``; returns its ``extra`` dict."""
+        return self.plugin.get_checkpoint_io().load_checkpoint(os.fspath(path), model, optimizer,
+                                                               lr_scheduler)

@@ -57,6 +57,18 @@ class LocalPlugin(Plugin):
     def dp_group(self):
         return None  # a single process: even under an initialised group, nothing is sharded
 
+    @property
+    def checkpoint_group(self):
+        return None
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None, device=None) -> Boosted:
         check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)

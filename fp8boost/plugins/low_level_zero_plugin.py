@@ -112,9 +112,10 @@ class LowLevelZeroPlugin(Plugin):
             ZeroOptimizer.validate(optimizer)
         init_distributed()
         device = torch.device(device) if device is not None else default_device()
+        self._topology = None  # a fresh mesh for this run's process group
+        group = self.topology(device).group("dp")
         self.fp8_report = prepare_model(model, self.precision, self.use_fp8, self.fp8_config, device)
-        group = dist.group.WORLD
-        if self.dp_world_size > 1:
+        if self.dp_size > 1:
             _broadcast_module(model, group)
         opt = None
         if optimizer is not None:
@@ -150,7 +151,7 @@ class LowLevelZeroPlugin(Plugin):
 
 def _broadcast_module(model: nn.Module, group) -> None:
     """Make every replica start from rank 0's parameters and buffers (like DDP does)."""
-    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

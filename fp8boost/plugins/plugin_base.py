@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 
+from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
+
 from .wrappers import ModelWrapper
 
 Boosted = tuple  # (model, optimizer, criterion, dataloader, lr_scheduler)
@@ -154,19 +156,56 @@ class Plugin(ABC):
                   lr_scheduler=None, device=None) -> Boosted:
         """Wrap everything for training; returns (model, optimizer, criterion, dataloader, lr_scheduler)."""
 
-    # ----------------------------------------------------------------------- process group
+    # ---------------------------------------------------------------------------- topology
+    #: pipeline / tensor parallel sizes; data parallel takes the rest of the world
+    pp_size: int = 1
+    tp_size: int = 1
+    _topology = None
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The (dp, pp, tp) cut of the initialised world (initialises it if needed)."""
+        init_distributed()
+        return ParallelDims.for_world(pp=self.pp_size, tp=self.tp_size)
+
+    def topology(self, device: Optional[torch.device] = None) -> Topology:
+        """The named DeviceMesh ("dp", "pp", "tp"), built once (a collective on first call)."""
+        if self._topology is None:
+            self._topology = self.dims.build_mesh(device_type_of(device))
+        return self._topology
+
     @property
     def dp_group(self):
         """Process group of the data-parallel replicas (None: a single process)."""
+        if not dist.is_initialized():
+            return None
+        if self._topology is not None:
+            return self._topology.group("dp")
+        return dist.group.WORLD if self.pp_size * self.tp_size == 1 else None
+
+    @property
+    def checkpoint_group(self):
+        """Group that coordinates saves: every rank that holds part of the model."""
         return dist.group.WORLD if dist.is_initialized() else None
 
     @property
-    def dp_world_size(self) -> int:
-        return dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (as Colossal-AI's plugins name it)."""
+        if not dist.is_initialized():
+            return 1
+        return self.dims.dp
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        """This rank's data-parallel index: the shard of the data it reads."""
+        if not dist.is_initialized():
+            return 0
+        return self.dims.coords(dist.get_rank())["dp"]
+
+    @property
+    def dp_world_size(self) -> int:
+        """Alias of ``dp_size``."""
+        return self.dp_size
 
     # ------------------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, optimizer) -> None:
@@ -180,12 +219,25 @@ class Plugin(ABC):
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False,
                            seed: int = 1024, drop_last: bool = False, **kwargs) -> DataLoader:
-        """A DataLoader over this rank's part of ``dataset`` (``batch_size`` per rank)."""
+        """A DataLoader over this data-parallel rank's part of ``dataset`` (``batch_size`` per rank).
+
+        Ranks that share a dp index (the tp/pp ranks of one replica) read the same samples.
+        With ``shuffle=True`` call ``loader.sampler.set_epoch(epoch)`` each epoch.
+
+        Example:
+            >>> from fp8boost.plugins import TorchDDPPlugin
+            >>> loader = TorchDDPPlugin().prepare_dataloader(list(range(100)), batch_size=4)  # doctest: +SKIP
+        """
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
                             drop_last=drop_last, **kwargs)
-        return shard_dataloader(loader, self.dp_world_size, self.dp_rank, seed)
+        return shard_dataloader(loader, self.dp_size, self.dp_rank, seed)
 
     # --------------------------------------------------------------------- checkpoint IO
+    def get_checkpoint_io(self):
+        """The object that saves and loads this plugin's models and optimizers."""
+        from .checkpoint_io import GeneralCheckpointIO
+        return GeneralCheckpointIO(self)
+
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's model object whose ``state_dict`` is saved and loaded."""
         return model.unwrap() if isinstance(model, ModelWrapper) else model

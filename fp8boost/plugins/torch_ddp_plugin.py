@@ -99,9 +99,11 @@ class TorchDDPPlugin(Plugin):
             ZeroOptimizer.validate(optimizer)
         init_distributed()
         device = torch.device(device) if device is not None else default_device()
+        self._topology = None  # a fresh mesh for this run's process group
+        group = self.topology(device).group("dp")
         self.fp8_report = prepare_model(model, self.precision, self.use_fp8, self.fp8_config, device)
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  **self.ddp_kwargs)
+                  process_group=group, **self.ddp_kwargs)
         if self.fp8_communication:
             self._register_fp8_hook(ddp)
         wrapped = ModelWrapper(ddp, DTYPES[self.precision])

@@ -6,7 +6,7 @@ user's model, so ``model.config`` and friends keep working.
 
 ``OptimizerWrapper`` is the thin wrapper used where no master weights are needed (FP32
 training): it adds ``backward``, ``clip_grad_norm_``, optional clipping in ``step`` and the
-checkpoint protocol that ``ZeroOptimizer`` also implements (see ``booster/checkpoint_io.py``).
+checkpoint protocol that ``ZeroOptimizer`` also implements (see ``plugins/checkpoint_io/formats.py``).
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class OptimizerWrapper(OptimizerProxy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
-    # checkpoint protocol (see booster/checkpoint_io.py): one replica holds everything
+    # checkpoint protocol (see plugins/checkpoint_io/formats.py): one replica holds everything
     shard_world_size = 1
     shard_rank = 0
 

@@ -1,0 +1,13 @@
+"""Checkpoint IO owned by the plugins: ``Plugin.get_checkpoint_io()`` returns one of these.
+
+``formats``  the on-disk formats shared by every plugin (HF-layout safetensors models, the
+             re-shardable optimizer format, atomic directory swaps);
+``base``     the ``CheckpointIO`` interface and ``GeneralCheckpointIO`` (replicated models:
+             no plugin, DDP, ZeRO-1/2);
+``dcp``      ``DTensorCheckpointIO`` for FSDP2/DTensor models (Gemini, TorchFSDP, hybrid):
+             HF export gathered one parameter at a time, sharded resumable state through
+             ``torch.distributed.checkpoint``, HF loads that read only each rank's part.
+"""
+from .base import CheckpointIO, GeneralCheckpointIO
+
+__all__ = ["CheckpointIO", "GeneralCheckpointIO"]
