@@ -17,6 +17,16 @@ Configs (``--configs``, comma separated; default: all but ``single_*``; ``all``:
     ddp_bf16, ddp_fp8, ddp_fp8_comm                TorchDDPPlugin
     zero1_bf16, zero1_fp8, zero1_fp8_comm          LowLevelZeroPlugin(stage=1)
     zero2_bf16, zero2_fp8, zero2_fp8_comm          LowLevelZeroPlugin(stage=2)
+    gemini_bf16, gemini_fp8, gemini_fp8_comm       GeminiPlugin (ZeRO-3 on FSDP2)
+    torchfsdp_bf16, torchfsdp_fp8, torchfsdp_fp8_comm   TorchFSDPPlugin (plain FSDP2)
+
+Compiled runs (``--compile``) prove they compiled: each decoder layer is compiled in place,
+dynamo's recompile limit is raised above the layer count and a hit fails the config instead
+of silently running eager (``fail_on_recompile_limit_hit``), and the JSON records dynamo's
+counters (graphs captured, graph breaks); a compiled config that captured no graph is
+reported as ``not_compiled``. The model trains with ``use_cache=False`` (no KV cache guards).
+Run with plain python, every config runs in its own torchrun (``--isolate`` is the default
+there), so compile caches, limits and allocator state never leak between configs.
 
 Usage::
 
@@ -61,7 +71,7 @@ import torch.distributed as dist  # noqa: E402
 import presets  # noqa: E402  (examples/presets.py)
 from metrics import flops_per_token, matmul_params  # noqa: E402  (examples/metrics.py)
 
-PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2")
+PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2", "gemini", "torchfsdp")
                   for v in ("bf16", "fp8", "fp8_comm")]
 ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", *PLUGIN_CONFIGS]
 DEFAULT_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", *PLUGIN_CONFIGS]
@@ -91,12 +101,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="torch.compile each decoder layer (all configs)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--output", default=None, help="JSON path (default: $OUT or bench/results)")
-    p.add_argument("--isolate", action="store_true",
-                   help="launch one torchrun per config (run this with plain python)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one torchrun per config (default when run with plain python; "
+                        "--no-isolate runs every config in this process)")
     p.add_argument("--nproc", type=int, default=None,
                    help="--isolate: processes per config (default: all visible GPUs, or 2 on CPU)")
     p.add_argument("--config-timeout", type=int, default=600, help="--isolate: seconds per config")
     args = p.parse_args(argv)
+    if args.isolate is None:
+        args.isolate = "RANK" not in os.environ and not (
+            len(args.configs.split(",")) == 1 and args.configs != "all")
     args.configs = ALL_CONFIGS if args.configs == "all" else [
         c.strip() for c in args.configs.split(",") if c.strip()]
     if args.seq_len is None:
@@ -162,15 +176,40 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
         overrides["intermediate_size"] = args.ffn
     if args.heads is not None:
         overrides.update(num_attention_heads=args.heads, num_key_value_heads=args.heads)
-    return presets.build_model(args.preset, args.vocab_size, max(args.seq_len, 2048),
-                               device=device, seed=0, **overrides)
+    model = presets.build_model(args.preset, args.vocab_size, max(args.seq_len, 2048),
+                                device=device, seed=0, **overrides)
+    model.config.use_cache = False  # training: no KV cache (and no guards on it under compile)
+    return model
 
 
 def compile_layers(model: torch.nn.Module) -> None:
     """``torch.compile`` every decoder layer in place (module identity is kept, so FSDP2 and
-    the plugins wrap the same objects)."""
-    for layer in model.model.layers:
+    the plugins wrap the same objects).
+
+    The layers share one code object, so each layer is a recompile of the same frame: the
+    limit is raised above the layer count, and hitting it raises instead of falling back to
+    eager (the fallback that made earlier compiled rows eager without saying so).
+    """
+    import torch._dynamo.config as dcfg
+
+    layers = model.model.layers
+    dcfg.recompile_limit = max(dcfg.recompile_limit, 2 * len(layers) + 8)
+    dcfg.accumulated_recompile_limit = max(dcfg.accumulated_recompile_limit, 8 * len(layers))
+    dcfg.fail_on_recompile_limit_hit = True
+    for layer in layers:
         layer.compile()
+
+
+def compile_evidence() -> dict[str, Any]:
+    """Dynamo's counters for this process: graphs captured, graph breaks, recompiles."""
+    from torch._dynamo.utils import counters
+
+    breaks = {str(k)[:200]: v for k, v in counters["graph_break"].items()}
+    return dict(unique_graphs=int(counters["stats"].get("unique_graphs", 0)),
+                calls_captured=int(counters["stats"].get("calls_captured", 0)),
+                frames_ok=int(counters["frames"].get("ok", 0)),
+                frames_total=int(counters["frames"].get("total", 0)),
+                graph_breaks=sum(breaks.values()), graph_break_reasons=breaks)
 
 
 def _fully_shard():
@@ -237,6 +276,16 @@ def setup_booster(model, name: str, args, device):
         booster = Booster(plugin=TorchDDPPlugin(use_fp8=use_fp8, fp8_communication=fp8_comm,
                                                 precision="bf16", fp8_config=fp8_cfg),
                           device=device)
+    elif kind == "gemini":
+        from fp8boost.plugins import GeminiPlugin
+        booster = Booster(plugin=GeminiPlugin(precision="bf16", use_fp8=use_fp8,
+                                              fp8_communication=fp8_comm, fp8_config=fp8_cfg),
+                          device=device)
+    elif kind == "torchfsdp":
+        from fp8boost.plugins import TorchFSDPPlugin
+        booster = Booster(plugin=TorchFSDPPlugin(precision="bf16", use_fp8=use_fp8,
+                                                 fp8_communication=fp8_comm, fp8_config=fp8_cfg),
+                          device=device)
     else:
         from fp8boost.plugins import LowLevelZeroPlugin
         plugin = LowLevelZeroPlugin(stage=int(kind[-1]), precision="bf16", use_fp8=use_fp8,
@@ -246,6 +295,9 @@ def setup_booster(model, name: str, args, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
     model, optimizer, *_ = booster.boost(model, optimizer)
+    report = getattr(booster.plugin, "fp8_report", None)
+    if report is not None:
+        args._fp8_layers = dict(converted=len(report.converted), kept=len(report.skipped))
     return model, optimizer, lambda loss: booster.backward(loss, optimizer), _nothing
 
 
@@ -302,7 +354,12 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
     else:
         import resource  # CPU: the process's peak RSS (covers earlier configs too)
         peak, reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, None
-    return dict(median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
+    extra: dict[str, Any] = {}
+    if args.compile:
+        extra["compile"] = compile_evidence()
+    if getattr(args, "_fp8_layers", None):
+        extra["fp8_layers"] = args._fp8_layers
+    return dict(extra, median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
                 min_step_s=min(times), max_step_s=max(times), peak_mem_gib=peak,
                 peak_reserved_gib=reserved, start_mem_gib=start_mem, first_loss=loss_values[0],
                 last_loss=loss_values[-1], finite=all(map(_finite, loss_values)))
@@ -336,6 +393,9 @@ def run_config(name: str, args, device: torch.device, rank: int, world_size: int
     except Exception:  # noqa: BLE001 - record, keep benchmarking the other configs
         result.update(status="error", error=traceback.format_exc()[-2000:])
     _free_memory(device)
+    if result["status"] == "ok" and args.compile and not result["compile"]["unique_graphs"]:
+        result.update(status="not_compiled",
+                      error="--compile but dynamo captured no graph: this row ran eager")
     return _combine_ranks(result, world_size, device, args, tokens_flops)
 
 
@@ -448,7 +508,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"{report['seq_len']} per GPU, median of {report['steps']} steps after "
              f"{report['warmup']} warm-up",
              f"{'config':<16} {'status':<8} {'ranks':>5} {'tok/s/GPU':>10} {'TFLOP/s':>8} "
-             f"{'peak GiB':>9} {'vs fsdp2':>9} {'vs bf16':>8}"]
+             f"{'peak GiB':>9} {'vs fsdp2':>9} {'vs bf16':>8} {'compiled':>9} {'fp8 lin':>7}"]
     for r in report["results"]:
         if r["status"] != "ok":
             error = str(r.get("error") or "").strip()
@@ -461,8 +521,16 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{r.get('world_size', report['world_size']):>5} "
                      f"{r['tokens_per_s_per_gpu']:>10.0f} {r['tflops_per_gpu']:>8.3g} "
                      f"{r['peak_mem_gib']:>9.2f} {rel['speedup_vs_fsdp2_bf16']:>9} "
-                     f"{rel['speedup_vs_own_bf16']:>8}")
+                     f"{rel['speedup_vs_own_bf16']:>8} {_compiled_cell(r):>9} "
+                     f"{r.get('fp8_layers', {}).get('converted', '-'):>7}")
     return "\n".join(lines)
+
+
+def _compiled_cell(r: dict[str, Any]) -> str:
+    ev = r.get("compile")
+    if not ev:
+        return "eager"
+    return f"{ev['unique_graphs']}g" + (f"/{ev['graph_breaks']}br" if ev["graph_breaks"] else "")
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

@@ -112,6 +112,13 @@ def check_model_path(path: str | os.PathLike) -> Path:
     return folder
 
 
+def _check_vocab(model: torch.nn.Module, vocab_size: int) -> None:
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"the pretrained model's vocabulary ({model.config.vocab_size}) is "
+                         f"smaller than the tokenizer's ({vocab_size}); pass --tokenizer "
+                         "pointing at the model's own tokenizer folder")
+
+
 def build_model(preset: Optional[str], vocab_size: int, max_seq_len: int,
                 model_path: Optional[str] = None, dtype: torch.dtype = torch.float32,
                 device: Optional[torch.device] = None, seed: int = 0,
@@ -138,12 +145,18 @@ def build_model(preset: Optional[str], vocab_size: int, max_seq_len: int,
 
     if model_path is not None:
         folder = check_model_path(model_path)
+        if device is not None and torch.device(device).type == "meta":
+            # Weights come later, shard by shard (booster.load_model after boost): build the
+            # structure only, no host copy of the checkpoint.
+            from transformers import LlamaConfig
+            config = LlamaConfig.from_pretrained(str(folder), local_files_only=True)
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config).to(dtype)
+            _check_vocab(model, vocab_size)
+            return model
         model = LlamaForCausalLM.from_pretrained(str(folder), local_files_only=True,
                                                  dtype=dtype)
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"the pretrained model's vocabulary ({model.config.vocab_size}) is "
-                             f"smaller than the tokenizer's ({vocab_size}); pass --tokenizer "
-                             "pointing at the model's own tokenizer folder")
+        _check_vocab(model, vocab_size)
         return model.to(device) if device is not None else model
     config = build_llama_config(preset, vocab_size, max_seq_len, **overrides)
     torch.manual_seed(seed)

@@ -15,8 +15,10 @@ CPU in about a minute::
 
 Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``summary.json``,
 ``run_config.json`` and ``loss.png`` (when matplotlib is installed). ``--plugin none`` uses
-``Booster(mixed_precision=...)``; ``ddp`` / ``zero1`` / ``zero2`` use ``TorchDDPPlugin`` /
-``LowLevelZeroPlugin(stage=1|2)``.
+``Booster(mixed_precision=...)``; ``ddp`` / ``zero1`` / ``zero2`` / ``gemini`` / ``fsdp`` use
+``TorchDDPPlugin`` / ``LowLevelZeroPlugin(stage=1|2)`` / ``GeminiPlugin`` (ZeRO-3 on FSDP2) /
+``TorchFSDPPlugin``. With ``gemini`` or ``fsdp``, ``--model-path`` builds the model on the meta
+device and each rank reads only its shards of the checkpoint (no full copy per rank).
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ import data as data_lib  # noqa: E402
 import metrics as metrics_lib  # noqa: E402
 import presets  # noqa: E402
 
-PLUGINS = ("none", "ddp", "zero1", "zero2")
+PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp")
+SHARDED_PLUGINS = ("gemini", "fsdp")  # FSDP2: a --model-path model is loaded shard by shard
 PRECISIONS = ("bf16", "fp16", "fp32")
 PRETRAINED_DEFAULTS = dict(seq_len=512, batch_size=4, lr=1e-4, steps=1000)
 
@@ -129,9 +132,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     if args.plugin == "none" and world_size > 1:
         raise ValueError(f"--plugin none trains in one process but WORLD_SIZE={world_size}; "
-                         "use --plugin ddp, zero1 or zero2 under torchrun")
+                         "use --plugin ddp, zero1, zero2, gemini or fsdp under torchrun")
     if args.plugin == "none" and args.fp8_comm:
-        raise ValueError("--fp8-comm needs a distributed plugin: add --plugin ddp|zero1|zero2")
+        raise ValueError("--fp8-comm needs a distributed plugin: add --plugin "
+                         "ddp|zero1|zero2|gemini|fsdp")
     if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":
         raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
@@ -202,9 +206,16 @@ def make_booster(args: argparse.Namespace, device: torch.device):
     if args.plugin == "none":
         mp = MixedPrecision("fp8", fp8_config) if args.use_fp8 else args.precision
         return Booster(mixed_precision=mp, device=device)
-    from fp8boost.plugins import LowLevelZeroPlugin, TorchDDPPlugin
+    from fp8boost.plugins import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
-    if args.plugin == "ddp":
+    if args.plugin == "gemini":
+        plugin = GeminiPlugin(precision=args.precision, use_fp8=args.use_fp8,
+                              fp8_communication=args.fp8_comm, fp8_config=fp8_config,
+                              enable_gradient_accumulation=args.grad_accum > 1)
+    elif args.plugin == "fsdp":
+        plugin = TorchFSDPPlugin(precision=args.precision, use_fp8=args.use_fp8,
+                                 fp8_communication=args.fp8_comm, fp8_config=fp8_config)
+    elif args.plugin == "ddp":
         plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm,
                                 precision=args.precision, fp8_config=fp8_config)
     else:
@@ -425,8 +436,12 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     """Data, model, optimizer, scheduler and booster, boosted and (when resuming) restored."""
     tokenizer, train_windows, val_windows = load_corpus(args, args.seq_len)
     max_pos = max(args.seq_len, 2048)
+    # Sharded plugins build a pretrained model on the meta device: boost allocates only each
+    # rank's shards and load_model reads only each rank's part of the checkpoint.
+    lazy = args.model_path is not None and args.plugin in SHARDED_PLUGINS
     model = presets.build_model(args.preset, tokenizer.vocab_size, max_pos,
-                                model_path=args.model_path, device=device, seed=args.seed)
+                                model_path=args.model_path,
+                                device=torch.device("meta") if lazy else device, seed=args.seed)
     # Count before boosting: plugins may wrap the model or flatten its parameters.
     n_params = sum(p.numel() for p in model.parameters())
     fpt = metrics_lib.flops_per_token(metrics_lib.matmul_params(model),
@@ -439,6 +454,8 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     booster = make_booster(args, device)
     model, optimizer, _, _, lr_scheduler = booster.boost(model, optimizer,
                                                          lr_scheduler=lr_scheduler)
+    if lazy and args.resume is None:
+        booster.load_model(model, args.model_path)
     resume_state = None
     if args.resume is not None:
         ckpt = checkpointing.resolve_checkpoint(args.resume)

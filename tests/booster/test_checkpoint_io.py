@@ -203,3 +203,37 @@ def test_load_errors_are_clear(tmp_path):
         b2.load_optimizer(o2, str(tmp_path / "o"))
     with pytest.raises(TypeError, match="returned by booster.boost"):
         booster.save_optimizer(torch.optim.SGD(H.make_mlp().parameters(), lr=0.1), str(tmp_path / "x"))
+
+
+def test_save_checkpoint_resumes_bit_exact_and_names_format(tmp_path):
+    """Booster.save_checkpoint: model + optimizer + scheduler + extra in one atomic directory."""
+    def boost(seed):
+        b = Booster(mixed_precision="bf16", device="cpu")
+        m = H.make_mlp(seed)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        s = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9)
+        m, o, _, _, s = b.boost(m, o, lr_scheduler=s)
+        return b, m, o, s
+
+    b1, m1, o1, s1 = boost(0)
+    H.train(b1, m1, o1, 0, 1, 3)
+    s1.step()
+    path = tmp_path / "state"
+    b1.save_checkpoint(str(path), m1, o1, s1, extra={"step": 3, "data": [1, 2]})
+    assert sorted(os.listdir(path)) == ["fp8boost_checkpoint.json", "lr_scheduler.pt", "model",
+                                        "optimizer"]
+    b1.save_checkpoint(str(path), m1, o1, s1, extra={"step": 3, "data": [1, 2]})  # overwrite
+    cont = H.train(b1, m1, o1, 0, 1, 2, start=3)
+    b2, m2, o2, s2 = boost(1)
+    assert b2.load_checkpoint(str(path), m2, o2, s2) == {"step": 3, "data": [1, 2]}
+    assert s2.last_epoch == s1.last_epoch == 1 and s2.get_last_lr() == s1.get_last_lr()
+    assert H.train(b2, m2, o2, 0, 1, 2, start=3) == cont
+    with pytest.raises(TypeError):
+        b1.save_checkpoint(str(tmp_path / "bad"), m1, o1, extra={"x": object()})
+    assert not (tmp_path / "bad").exists()
+    meta = json.loads((path / "fp8boost_checkpoint.json").read_text())
+    (path / "fp8boost_checkpoint.json").write_text(json.dumps(dict(meta, format="other-v9")))
+    with pytest.raises(ValueError, match="format 'other-v9'"):
+        b2.load_checkpoint(str(path), m2, o2)
+    with pytest.raises(FileNotFoundError, match="no resumable checkpoint"):
+        b2.load_checkpoint(str(tmp_path / "nothing"), m2, o2)
