@@ -30,6 +30,10 @@ _PROBES: dict[str, object] = {}
 
 def warn_once(key: Hashable, message: str, stacklevel: int = 3) -> None:
     """Emit ``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    # Read paths take no lock: torch.compile traces these helpers and breaks its graph on a
+    # lock (seen on an H100: 6 graph breaks per compiled model before this fast path).
+    if key in _WARNED:
+        return
     with _LOCK:
         if key in _WARNED:
             return
@@ -40,6 +44,8 @@ def warn_once(key: Hashable, message: str, stacklevel: int = 3) -> None:
 def log_once(logger: logging.Logger, key: Hashable, message: str,
              level: int = logging.WARNING) -> bool:
     """Log ``message`` the first time ``key`` is seen; returns whether it was logged."""
+    if key in _LOGGED:
+        return False
     with _LOCK:
         if key in _LOGGED:
             return False
@@ -84,10 +90,10 @@ def bump_step_epoch() -> None:
 
 def probe(key: str, compute: Callable[[], object]) -> object:
     """``compute()`` once per ``key`` for the life of the process (device capability checks)."""
+    # No lock: compiled code traces this on a layer's first call, and a lock breaks the graph;
+    # two threads racing would only compute the same answer twice.
     if key not in _PROBES:
-        value = compute()
-        with _LOCK:
-            _PROBES.setdefault(key, value)
+        _PROBES.setdefault(key, compute())
     return _PROBES[key]
 
 
