@@ -1,9 +1,13 @@
 """Training strategies for the Booster: one file per plugin.
 
-GeminiPlugin, HybridParallelPlugin and TorchFSDPPlugin arrive in later releases.
+``TorchDDPPlugin`` (DDP), ``LowLevelZeroPlugin`` (ZeRO-1/2), ``GeminiPlugin`` (ZeRO-3 on
+FSDP2), ``TorchFSDPPlugin`` (plain FSDP2). HybridParallelPlugin arrives in a later release.
 """
+from .gemini_plugin import GeminiPlugin
 from .low_level_zero_plugin import LowLevelZeroPlugin
 from .plugin_base import Plugin, init_distributed
 from .torch_ddp_plugin import TorchDDPPlugin
+from .torch_fsdp_plugin import TorchFSDPPlugin
 
-__all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "init_distributed"]
+__all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
+           "init_distributed"]

@@ -1,0 +1,241 @@
+"""What GeminiPlugin and TorchFSDPPlugin share: FSDP2 over the mesh's dp dimension.
+
+FP32 master parameters are the sharded FSDP2 parameters themselves (1/dp per rank), so the
+user's optimizer, rebuilt on them, keeps its state sharded 1/dp too. Forward and backward run
+in ``precision`` through ``MixedPrecisionPolicy``; gradients reduce-scatter in FP32.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import ContextManager, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8boost import _state
+from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
+from fp8boost.parallel.zero.optimizer import OptimizerProxy
+
+from .plugin_base import Boosted, Plugin, check_boost_args, default_device, init_distributed, \
+    shard_dataloader
+from .wrappers import DTYPES, ModelWrapper
+
+logger = logging.getLogger("fp8boost.plugins")
+
+#: Why gradients do not reduce-scatter in FP8 by default (BENCHMARKS.md section 5).
+FP8_RS_REASON = ("FP8 reduce-scatter measured slower than FP32/BF16 on 2xH200 NVLink at every "
+                 "size up to 256 MB (0.11x at 16 MB, 0.52x at 256 MB; casts included), so "
+                 "gradients reduce-scatter in FP32; pass fp8_reduce_scatter=True for slow links")
+
+
+class FsdpOptimizer(OptimizerProxy):
+    """The user's optimizer over FSDP2's sharded FP32 parameters, plus backward/clipping/no_sync.
+
+    Args:
+        optimizer: the user's torch optimizer, already rebuilt on the sharded parameters.
+        model: the sharded model (for ``no_sync`` and FP8 all-gather scales).
+        max_norm, norm_type: clip the global gradient norm in ``step`` (0: off).
+        loss_scaler: dynamic loss scaling (fp16), or None.
+        fp8_scales: refresh the FP8 all-gather scales of every weight in one all-reduce after
+            each step (``fp8_communication``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0,
+                 norm_type: float = 2.0, loss_scaler: Optional[DynamicLossScaler] = None,
+                 fp8_scales: bool = False, allow_no_sync: bool = True) -> None:
+        self.optim = optimizer
+        self.model = model
+        self.max_norm, self.norm_type = float(max_norm), float(norm_type)
+        self.loss_scaler = loss_scaler
+        self.fp8_scales = fp8_scales
+        self.allow_no_sync = allow_no_sync
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._unscaled = False
+
+    def __repr__(self) -> str:
+        return f"FsdpOptimizer({self.optim!r}, max_norm={self.max_norm})"
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        loss.backward(retain_graph=retain_graph)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no reduce-scatter) inside the block."""
+        if not self.allow_no_sync:
+            raise ValueError("gradient accumulation with no_sync needs "
+                             "GeminiPlugin(enable_gradient_accumulation=True)")
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def _unscale(self) -> bool:
+        """Unscale fp16 gradients once per step; True when every rank's gradients are finite."""
+        if self.loss_scaler is None or self._unscaled:
+            return True
+        grads = self._grads()
+        inv = 1.0 / self.loss_scaler.scale
+        bad = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for g in grads:
+            local = g._local_tensor if hasattr(g, "_local_tensor") else g
+            local.mul_(inv)
+            bad = torch.maximum(bad, (~torch.isfinite(local)).any().float())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self._unscaled = True
+        self._found_inf = bool(bad.item())
+        return not self._found_inf
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over all shards (DTensor gradients); returns the norm before."""
+        if not self._unscale():
+            return torch.tensor(math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def step(self, closure=None) -> None:
+        ok = self._unscale()
+        if ok:
+            if self.max_norm > 0:
+                self.clip_grad_norm_(self.max_norm, self.norm_type)
+            self.optim.step(closure)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(not ok)
+        self._unscaled = False
+        if self.fp8_scales:
+            from fp8boost.parallel.fsdp.fp8_all_gather import precompute_fp8_all_gather_scales
+            precompute_fp8_all_gather_scales(self.model)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],
+                     model: nn.Module) -> None:
+    """Point ``optimizer``'s param groups at the sharded parameters that replaced the old ones."""
+    new = dict(model.named_parameters(remove_duplicate=False))
+    for group in optimizer.param_groups:
+        group["params"] = [new[old[id(p)]] for p in group["params"]]
+
+
+class FsdpPluginBase(Plugin):
+    """Shared ``configure`` of the FSDP2 plugins; subclasses validate and set the options."""
+
+    supported_precisions = ("fp32", "bf16", "fp16")
+    precision = "bf16"
+    use_fp8 = fp8_communication = fp8_reduce_scatter = False
+    fp8_config = comm_config = None
+    max_norm, norm_type = 0.0, 2.0
+    reshard_after_forward, cpu_offload = True, False
+    allow_no_sync = True
+    initial_scale, growth_interval = 2.0 ** 16, 1000
+
+    def get_checkpoint_io(self):
+        from .checkpoint_io.dcp import DTensorCheckpointIO
+        return DTensorCheckpointIO(self)
+
+    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
+                  lr_scheduler=None, device=None) -> Boosted:
+        check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
+        if optimizer is not None and len(optimizer.state) > 0:
+            raise ValueError("the optimizer already has state; build a fresh optimizer on "
+                             "model.parameters() and boost it before the first step")
+        init_distributed()
+        device = torch.device(device) if device is not None else default_device()
+        self._topology = None
+        mesh = self.topology(device).submesh("dp")
+        from fp8boost.parallel.fsdp import wiring
+
+        lazy = wiring.on_meta(model)
+        old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        if not lazy:
+            model.to(device=device, dtype=torch.float32)  # FP32 masters, sharded below
+            _broadcast_params(model, self.dp_group)
+        self.fp8_report = self._convert_fp8(model)
+        self.comm_report = self._fp8_all_gather(model)
+        param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
+        wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
+        if lazy:
+            wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device)
+        self._fp8_reduce_scatter(model)
+        opt = None
+        if optimizer is not None:
+            rebind_optimizer(optimizer, old_names, model)
+            scaler = DynamicLossScaler(self.initial_scale, growth_interval=self.growth_interval) \
+                if self.precision == "fp16" else None
+            opt = FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type, scaler,
+                                fp8_scales=bool(self.comm_report["fp8_all_gather"]),
+                                allow_no_sync=self.allow_no_sync)
+        wrapped = ModelWrapper(model, DTYPES[self.precision])
+        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
+        return wrapped, opt, criterion, loader, lr_scheduler
+
+    def _convert_fp8(self, model: nn.Module):
+        if not self.use_fp8:
+            return None
+        from fp8boost.fp8 import convert_to_fp8
+        report = convert_to_fp8(model, self.fp8_config)
+        if not report.converted:
+            reasons = sorted(set(report.skipped.values()))
+            _state.warn_once(f"fp8-nothing-converted-{reasons}",
+                             "fp8boost: use_fp8=True but no linear layer was converted to FP8 "
+                             f"({'; '.join(reasons) or 'the model has no nn.Linear'}). Pass "
+                             "fp8_config=Fp8Config(min_numel=0) to convert small layers anyway.")
+        return report
+
+    def _fp8_all_gather(self, model: nn.Module) -> dict:
+        report = {"fp8_all_gather": [], "fp8_reduce_scatter": False, "why_not": {}}
+        if not self.fp8_communication:
+            report["why_not"]["all_gather"] = "fp8_communication=False"
+            return report
+        from fp8boost.fp8.linear import Fp8Linear
+        from fp8boost.parallel.comm.config import Fp8CommConfig
+        from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather
+
+        names = enable_fp8_all_gather(model, self.comm_config or Fp8CommConfig(),
+                                      lambda mod, fqn: isinstance(mod, Fp8Linear))
+        report["fp8_all_gather"] = names
+        if not names:
+            why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
+                   "weights whose consumer is an FP8 GEMM")
+            report["why_not"]["all_gather"] = why
+            _state.log_once(logger, ("fsdp-ag", why), f"fp8boost: {why}")
+        return report
+
+    def _fp8_reduce_scatter(self, model: nn.Module) -> None:
+        if not self.fp8_communication:
+            return
+        if self.fp8_reduce_scatter:
+            from fp8boost.parallel.fsdp.fp8_all_gather import set_fp8_reduce_scatter
+            set_fp8_reduce_scatter(model, self.comm_config)
+            self.comm_report["fp8_reduce_scatter"] = True
+            return
+        self.comm_report["why_not"]["reduce_scatter"] = FP8_RS_REASON
+        _state.log_once(logger, ("fsdp-rs", "slower"), f"fp8boost: {FP8_RS_REASON}")
+
+    def no_sync(self, model=None, optimizer=None) -> ContextManager:
+        if optimizer is None:
+            raise ValueError(f"{type(self).__name__}.no_sync needs the optimizer returned by "
+                             "booster.boost()")
+        return optimizer.no_sync()
+
+
+def _broadcast_params(model: nn.Module, group) -> None:
+    """Every rank starts from rank 0's weights before sharding (as DDP does)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                dist.broadcast(t.data, src, group=group)
