@@ -107,7 +107,7 @@ class DTensorCheckpointIO(CheckpointIO):
             if id(t) in seen:  # tied weights: written once, as save_pretrained does
                 continue
             seen.add(id(t))
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t  # collective per param
+            full = _plain(t.full_tensor() if hasattr(t, "full_tensor") else t)  # collective
             if not writer:
                 continue
             cpu = full.detach().to("cpu", copy=True).contiguous()
