@@ -14,6 +14,11 @@ accumulation reuse it. Any optimizer step (a global ``torch.optim`` step hook, r
 first use, since fused optimizers do not bump version counters), an in-place write to the
 Parameter (its version counter) or a new storage invalidates it. Writes through ``.data`` are
 invisible to all three: call :func:`invalidate_weight_caches` after them.
+
+A weight that is already FP8 (an :class:`~fp8boost.fp8.prequantized.Fp8WeightTensor`, e.g.
+the unsharded parameter of FSDP2's FP8 all-gather) is used as the GEMM operand directly: no
+amax, no cast, no cache; its transpose for dgrad is made in backward from the bytes present
+then. The weight gradient is still a plain tensor of the weight's dtype.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from fp8boost import _state
 from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import Fp8Config
+from .prequantized import (Fp8WeightTensor, dequantize_weight, fp8_weight_operand,
+                           fp8_weight_transpose)
 from .scaling import DelayedScalingState, Fp8Tensor, amax
 
 _ROLES = ("input", "weight", "grad")
@@ -54,21 +61,29 @@ class _Fp8LinearFn(torch.autograd.Function):
         # Grad mode is off inside forward: needs_input_grad says what backward will need.
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         xq = layer._quantize("input", x2d, cfg.fwd_dtype, with_transpose=need_wgrad)
-        wq = layer._weight_fp8(with_transpose=need_dgrad)
+        # A prequantized weight's transpose is made in backward, from the bytes (re-)gathered
+        # then: saving it here would pin K*N bytes per layer between forward and backward, which
+        # is exactly what FSDP's reshard-after-forward frees.
+        direct = layer._prequantized_ok(weight)
+        wq = layer._weight_fp8(with_transpose=need_dgrad and not direct)
         y = backend.mm(xq.data, wq.data, xq.inv_scale, wq.inv_scale, bias=bias,
                        out_dtype=x2d.dtype, use_fast_accum=cfg.fast_accum_fprop)
         ctx.layer = layer
         ctx.need_wgrad, ctx.need_dgrad = need_wgrad, need_dgrad
+        ctx.direct = direct
         ctx.has_bias = bias is not None
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
+        w_saved = (weight if direct else wq.data_t) if need_dgrad else None
         ctx.save_for_backward(xq.data_t if need_wgrad else None, xq.inv_scale,
-                              wq.data_t if need_dgrad else None, wq.inv_scale)
+                              w_saved, wq.inv_scale)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
+        if ctx.direct and ctx.need_dgrad:  # the Fp8WeightTensor itself was saved
+            wq_t, w_inv = fp8_weight_transpose(wq_t), wq_t._inv_scale
         layer = ctx.layer
         backend, cfg = layer._fp8_backend, layer.fp8_config
         dy = dy.contiguous()
@@ -177,8 +192,38 @@ class Fp8Linear(nn.Linear):
         state.record(state.reduce(a))
         return q
 
+    def _prequantized_ok(self, w: torch.Tensor) -> bool:
+        """Whether ``w`` is an :class:`Fp8WeightTensor` this layer can feed to its GEMMs as is.
+
+        Its bytes must be the weight operand this layer would have made: the forward FP8
+        format, the layer's shape, and current (tensorwise) scaling; delayed scaling derives
+        the weight scale from its own amax history, so it re-quantizes (warned once).
+        """
+        if not isinstance(w, Fp8WeightTensor):
+            return False
+        cfg = self.fp8_config
+        why = None
+        if w._data.dtype != cfg.fwd_dtype:
+            why = f"its FP8 format {w._data.dtype} is not the forward format {cfg.fwd_dtype}"
+        elif self._delayed:
+            why = "delayed scaling keeps its own weight amax history"
+        elif tuple(w.shape) != (self.out_features, self.in_features):
+            why = f"shape {tuple(w.shape)} != {(self.out_features, self.in_features)}"
+        if why is not None:
+            _state.warn_once(("fp8-linear-prequantized", why),
+                             f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 weight: "
+                             f"{why}")
+            return False
+        return True
+
     def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
         w = self.weight
+        if isinstance(w, Fp8WeightTensor):
+            self._w_cache = None  # a cast of an earlier plain weight would only pin memory
+            if self._prequantized_ok(w):
+                return fp8_weight_operand(w, with_transpose)  # no cast, no cache
+            return self._quantize("weight", dequantize_weight(w), self.fp8_config.fwd_dtype,
+                                  with_transpose=with_transpose)
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
         key = None
         if use_cache:
@@ -200,7 +245,9 @@ class Fp8Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
-        return y.view(*lead, self.out_features)
+        # A 2-D input gets the GEMM output itself, not a view of it: FSDP2 warns about modules
+        # returning views (an in-place op on one would drop its pre-backward hook).
+        return y if x.dim() == 2 else y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         c = self.fp8_config

@@ -21,7 +21,7 @@ from fp8boost.parallel.zero.optimizer import OptimizerProxy
 
 from .plugin_base import Boosted, Plugin, check_boost_args, default_device, init_distributed, \
     shard_dataloader
-from .wrappers import DTYPES, ModelWrapper
+from .wrappers import DTYPES, ModelWrapper, cast_params_
 
 logger = logging.getLogger("fp8boost.plugins")
 
@@ -29,6 +29,18 @@ logger = logging.getLogger("fp8boost.plugins")
 FP8_RS_REASON = ("FP8 reduce-scatter measured slower than FP32/BF16 on 2xH200 NVLink at every "
                  "size up to 256 MB (0.11x at 16 MB, 0.52x at 256 MB; casts included), so "
                  "gradients reduce-scatter in FP32; pass fp8_reduce_scatter=True for slow links")
+
+
+def check_loss_scaling(initial_scale: object, growth_interval: object) -> tuple[float, int]:
+    """Validate the fp16 dynamic loss scaling arguments (used only with ``precision="fp16"``)."""
+    if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)) \
+            or not 1.0 <= initial_scale <= 2.0 ** 32:
+        raise ValueError(f"initial_scale must be a number in [1, 2**32] (a power of two keeps "
+                         f"scaling exact), got {initial_scale!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+            or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    return float(initial_scale), growth_interval
 
 
 class FsdpOptimizer(OptimizerProxy):
@@ -41,19 +53,37 @@ class FsdpOptimizer(OptimizerProxy):
         loss_scaler: dynamic loss scaling (fp16), or None.
         fp8_scales: refresh the FP8 all-gather scales of every weight in one all-reduce after
             each step (``fp8_communication``).
+        allow_no_sync: whether ``no_sync`` may skip the reduce-scatter (GeminiPlugin:
+            ``enable_gradient_accumulation``).
+        group: the shard (dp) process group, over which fp16 overflow checks agree; None for
+            a single process.
+        comm_device: where the overflow flag is all-reduced (the mesh's device: under CPU
+            offload the gradients live on the CPU, but NCCL needs a CUDA tensor).
+
+    Example:
+        >>> from fp8boost.booster import Booster                               # doctest: +SKIP
+        >>> from fp8boost.plugins import GeminiPlugin                          # doctest: +SKIP
+        >>> booster = Booster(plugin=GeminiPlugin(max_norm=1.0))               # doctest: +SKIP
+        >>> opt = torch.optim.AdamW(model.parameters())                        # doctest: +SKIP
+        >>> model, opt, *_ = booster.boost(model, opt)                         # doctest: +SKIP
+        >>> opt.backward(model(**batch).loss); opt.step(); opt.zero_grad()     # doctest: +SKIP
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0,
                  norm_type: float = 2.0, loss_scaler: Optional[DynamicLossScaler] = None,
-                 fp8_scales: bool = False, allow_no_sync: bool = True) -> None:
+                 fp8_scales: bool = False, allow_no_sync: bool = True, group=None,
+                 comm_device: Optional[torch.device] = None) -> None:
         self.optim = optimizer
         self.model = model
+        self.group = group  # the shard (dp) group: overflow checks agree across it
+        self.comm_device = comm_device
         self.max_norm, self.norm_type = float(max_norm), float(norm_type)
         self.loss_scaler = loss_scaler
         self.fp8_scales = fp8_scales
         self.allow_no_sync = allow_no_sync
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._unscaled = False
+        self._unscaled = False  # this step's gradients are unscaled already (fp16)
+        self._found_inf = False
 
     def __repr__(self) -> str:
         return f"FsdpOptimizer({self.optim!r}, max_norm={self.max_norm})"
@@ -80,17 +110,20 @@ class FsdpOptimizer(OptimizerProxy):
 
     def _unscale(self) -> bool:
         """Unscale fp16 gradients once per step; True when every rank's gradients are finite."""
-        if self.loss_scaler is None or self._unscaled:
+        if self.loss_scaler is None:
             return True
+        if self._unscaled:  # clip_grad_norm_ ran first: keep its verdict
+            return not self._found_inf
         grads = self._grads()
         inv = 1.0 / self.loss_scaler.scale
-        bad = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        device = self.comm_device or self.params[0].device
+        bad = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             local = g._local_tensor if hasattr(g, "_local_tensor") else g
             local.mul_(inv)
-            bad = torch.maximum(bad, (~torch.isfinite(local)).any().float())
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            bad = torch.maximum(bad, (~torch.isfinite(local)).any().float().to(device))
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         self._unscaled = True
         self._found_inf = bool(bad.item())
         return not self._found_inf
@@ -117,6 +150,7 @@ class FsdpOptimizer(OptimizerProxy):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
+        self._unscaled = False
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],
@@ -149,23 +183,28 @@ class FsdpPluginBase(Plugin):
         if optimizer is not None and len(optimizer.state) > 0:
             raise ValueError("the optimizer already has state; build a fresh optimizer on "
                              "model.parameters() and boost it before the first step")
+        from fp8boost.parallel.fsdp import wiring
+
+        lazy = wiring.on_meta(model)
+        if lazy:
+            wiring.check_meta_model(model)  # before any process group is touched
         init_distributed()
         device = torch.device(device) if device is not None else default_device()
         self._topology = None
         mesh = self.topology(device).submesh("dp")
-        from fp8boost.parallel.fsdp import wiring
-
-        lazy = wiring.on_meta(model)
         old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         if not lazy:
-            model.to(device=device, dtype=torch.float32)  # FP32 masters, sharded below
+            model.to(device)
             _broadcast_params(model, self.dp_group)
+        # FP32 masters, sharded below (buffers keep their dtype: rotary tables, FP8 histories).
+        cast_params_(model, torch.float32)
         self.fp8_report = self._convert_fp8(model)
         self.comm_report = self._fp8_all_gather(model)
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
         if lazy:
-            wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device)
+            wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device,
+                               shard_rank=mesh.get_local_rank())
         self._fp8_reduce_scatter(model)
         opt = None
         if optimizer is not None:
@@ -174,7 +213,8 @@ class FsdpPluginBase(Plugin):
                 if self.precision == "fp16" else None
             opt = FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type, scaler,
                                 fp8_scales=bool(self.comm_report["fp8_all_gather"]),
-                                allow_no_sync=self.allow_no_sync)
+                                allow_no_sync=self.allow_no_sync, group=mesh.get_group(),
+                                comm_device=device)
         wrapped = ModelWrapper(model, DTYPES[self.precision])
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
@@ -237,5 +277,7 @@ def _broadcast_params(model: nn.Module, group) -> None:
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            if t.is_floating_point():
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                dist.broadcast(t.data.view(torch.uint8), src, group=group)  # gloo has no FP8
+            else:
                 dist.broadcast(t.data, src, group=group)

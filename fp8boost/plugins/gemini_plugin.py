@@ -1,13 +1,17 @@
 """GeminiPlugin: ZeRO-3 on FSDP2 (``fully_shard`` per block + root), with Colossal-AI's names."""
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
+from fp8boost import _state
 from fp8boost.fp8.config import Fp8Config
 
-from .fsdp_plugin_base import FsdpPluginBase
+from .fsdp_plugin_base import FsdpPluginBase, check_loss_scaling
 from .plugin_base import check_bool
 from .precision import check_comm_config, check_fp8_config, check_max_norm, check_precision
+
+logger = logging.getLogger("fp8boost.plugins")
 
 
 def _check_frac(name: str, value: object) -> float:
@@ -75,13 +79,15 @@ class GeminiPlugin(FsdpPluginBase):
             check_bool(name, value)
         if fp8_reduce_scatter and not fp8_communication:
             raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
-        if not isinstance(initial_scale, (int, float)) or initial_scale <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {initial_scale!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        initial_scale, growth_interval = check_loss_scaling(initial_scale, growth_interval)
         # FSDP2 offloads parameters, gradients and optimizer state together.
         self.cpu_offload = optim_frac == 1.0 or param_frac == 1.0
+        if optim_frac != param_frac:
+            _state.log_once(logger, "gemini-offload-together",
+                            "fp8boost: FSDP2's CPUOffloadPolicy moves parameters, gradients and "
+                            "optimizer state to the CPU together, so offload_optim_frac="
+                            f"{optim_frac} with offload_param_frac={param_frac} offloads all of "
+                            "them (as both = 1.0)")
         self.offload_optim_frac, self.offload_param_frac = optim_frac, param_frac
         self.allow_no_sync = enable_gradient_accumulation
         self.reshard_after_forward = reshard_after_forward
@@ -89,7 +95,7 @@ class GeminiPlugin(FsdpPluginBase):
         self.fp8_reduce_scatter = fp8_reduce_scatter
         self.fp8_config = check_fp8_config(fp8_config)
         self.comm_config = check_comm_config(comm_config)
-        self.initial_scale, self.growth_interval = float(initial_scale), growth_interval
+        self.initial_scale, self.growth_interval = initial_scale, growth_interval
         self.fp8_report = None
         self.comm_report: dict = {}
 

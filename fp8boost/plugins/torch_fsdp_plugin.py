@@ -5,7 +5,7 @@ from typing import Optional
 
 from fp8boost.fp8.config import Fp8Config
 
-from .fsdp_plugin_base import FsdpPluginBase
+from .fsdp_plugin_base import FsdpPluginBase, check_loss_scaling
 from .plugin_base import check_bool
 from .precision import check_comm_config, check_fp8_config, check_max_norm, check_precision
 
@@ -20,6 +20,7 @@ class TorchFSDPPlugin(FsdpPluginBase):
         cpu_offload: FSDP2 ``CPUOffloadPolicy`` (parameters, gradients, optimizer on the CPU).
         use_fp8, fp8_communication, fp8_reduce_scatter, fp8_config, comm_config: as
             ``GeminiPlugin``.
+        initial_scale, growth_interval: fp16 dynamic loss scaling.
 
     Example:
         >>> from fp8boost.booster import Booster
@@ -31,7 +32,8 @@ class TorchFSDPPlugin(FsdpPluginBase):
                  reshard_after_forward: bool = True, cpu_offload: bool = False,
                  use_fp8: bool = False, fp8_communication: bool = False,
                  fp8_reduce_scatter: bool = False, fp8_config: Optional[Fp8Config] = None,
-                 comm_config=None) -> None:
+                 comm_config=None, initial_scale: float = 2.0 ** 16,
+                 growth_interval: int = 1000) -> None:
         self.precision = check_precision(precision, self.supported_precisions)
         self.max_norm = check_max_norm(max_norm)
         for name, value in (("reshard_after_forward", reshard_after_forward),
@@ -41,6 +43,8 @@ class TorchFSDPPlugin(FsdpPluginBase):
             check_bool(name, value)
         if fp8_reduce_scatter and not fp8_communication:
             raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
+        self.initial_scale, self.growth_interval = check_loss_scaling(initial_scale,
+                                                                      growth_interval)
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
         self.use_fp8, self.fp8_communication = use_fp8, fp8_communication
         self.fp8_reduce_scatter = fp8_reduce_scatter

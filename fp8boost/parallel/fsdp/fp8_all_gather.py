@@ -7,8 +7,22 @@ needed):
   FSDP2's all-gather extension hooks. ``fsdp_pre_all_gather`` casts the local shard to e4m3 with
   a scale shared by the shard group (all-reduce(MAX) of the shard amaxes, or a scale
   precomputed for all weights at once by :func:`precompute_fp8_all_gather_scales`) and hands
-  FSDP the bytes as ``uint8`` (NCCL and gloo reject float8); ``fsdp_post_all_gather``
-  dequantizes into the unsharded parameter in FSDP's ``param_dtype``. The scale is shared
+  FSDP the bytes as ``uint8`` (NCCL and gloo reject float8). ``fsdp_post_all_gather`` then
+  takes one of two paths, fixed per weight at its first all-gather (:class:`GatherPlan`):
+
+  - *direct* (the weight of a tensorwise-scaled ``Fp8Linear`` whose forward format is the
+    comm config's ``param_dtype``): the gathered bytes and their scale become the unsharded
+    parameter itself, an :class:`~fp8boost.fp8.prequantized.Fp8WeightTensor` that presents
+    FSDP's ``param_dtype``, and ``Fp8Linear`` feeds them to its FP8 GEMM: no dequantize, no
+    re-quantize, bit-identical to casting the full weight once with that scale. The scale then
+    follows the layer's rule (its ``margin`` and ``power_of_2_scale``), not the comm config's.
+    Later all-gathers (``out=``) only rebind the scale: FSDP copies the bytes into the same
+    buffer.
+  - *dequantize* (anything else: delayed scaling, a plain ``nn.Linear`` or other consumer, a
+    ``param_dtype`` that is not the GEMM's format, tied weights, tensor-parallel DTensors;
+    logged once per reason): decode into a plain parameter in ``param_dtype``.
+
+  The scale is shared
   because FSDP requires every all-gather input of an unevenly sharded parameter to have the
   padded shard shape (no room for a per-rank scale), and one scale makes the gathered bytes
   one FP8 tensor. Install with
@@ -35,7 +49,9 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 import math
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
@@ -43,16 +59,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fp8boost.fp8.scaling import amax, scale_from_amax
+from fp8boost import _state
+from fp8boost.fp8.scaling import amax
 
 from ..comm.config import Fp8CommConfig
 from ..comm._utils import _cast_impl
 from ..comm.collectives import reduce_scatter_tensor_fp8
 from ..comm.wire import cast_rows_into, decode_rows_into
+from .gather_plan import GatherPlan, choose_plan, log_plan, post_all_gather_direct
 
-__all__ = ["Fp8AllGatherWeight", "Fp8ReduceScatter", "enable_fp8_all_gather",
+__all__ = ["Fp8AllGatherWeight", "GatherPlan", "Fp8ReduceScatter", "enable_fp8_all_gather",
            "set_fp8_reduce_scatter", "precompute_fp8_all_gather_scales"]
 
+logger = logging.getLogger("fp8boost.parallel.fsdp")
 aten = torch.ops.aten
 # Ops through which the subclass survives: FSDP pads, slices, views and copies the local shard
 # (and moves it between devices) and must still find the hooks on the result.
@@ -72,80 +91,101 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     Behaves as its inner high-precision tensor for every op (optimizer updates modify the inner
     tensor in place); only FSDP's all-gather extension hooks differ.
+
+    Example:
+        >>> import torch
+        >>> from fp8boost.parallel.comm.config import Fp8CommConfig
+        >>> w = Fp8AllGatherWeight(torch.ones(4, 4), Fp8CommConfig())
+        >>> (w * 2).sum().item()
+        32.0
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, config: Fp8CommConfig):
+    def __new__(cls, tensor: torch.Tensor, config: Fp8CommConfig, tied: bool = False):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
             requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, config: Fp8CommConfig) -> None:
+    def __init__(self, tensor: torch.Tensor, config: Fp8CommConfig, tied: bool = False) -> None:
         self._tensor = tensor
         self._config = config
-        # (scale, version of _tensor when it was computed), from precompute_...().
-        self._precomputed: Optional[tuple[torch.Tensor, int]] = None
+        self._tied = tied  # shared by several modules: keep the plain (dequantize) path
+        # (scale, version of _tensor, plan) from precompute_fp8_all_gather_scales().
+        self._precomputed: Optional[tuple[torch.Tensor, int, GatherPlan]] = None
+        self._plan: Optional[GatherPlan] = None  # fixed at the first all-gather
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        config: list[Fp8CommConfig] = []
+        src: list[Fp8AllGatherWeight] = []
 
         def unwrap(t: "Fp8AllGatherWeight") -> torch.Tensor:
-            config.append(t._config)
+            src.append(t)
             return t._tensor
 
         args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVE_OPS:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config[0]), out)
+        return pytree.tree_map_only(torch.Tensor,
+                                    lambda t: cls(t, src[0]._config, src[0]._tied), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"config": self._config}
+        return ["_tensor"], {"config": self._config, "tied": self._tied}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Fp8AllGatherWeight(inner["_tensor"], meta["config"])
+        return Fp8AllGatherWeight(inner["_tensor"], meta["config"], meta["tied"])
 
     def __repr__(self) -> str:
         return f"Fp8AllGatherWeight({self._tensor!r}, wire={self._config.param_dtype})"
 
-    def _shared_scale(self, mesh) -> torch.Tensor:
-        pre = self._precomputed
-        if pre is not None and pre[1] == self._tensor._version:
+    def _shared_scale(self, owner: "Fp8AllGatherWeight", plan: GatherPlan, mesh) -> torch.Tensor:
+        pre = owner._precomputed
+        if pre is not None and pre[1] == owner._tensor._version and pre[2] == plan:
             return pre[0]
+        _state.log_once(logger, "fsdp-fp8-ag-scale-allreduce",
+                        "fp8boost: FP8 all-gather without a precomputed scale: one amax "
+                        "all-reduce per weight (slower); call precompute_fp8_all_gather_scales"
+                        "(model) after each optimizer step", level=logging.INFO)
         a = amax(self._tensor)
         _all_reduce_max_over_mesh(a, mesh)
-        cfg = self._config
-        return scale_from_amax(a, cfg.param_dtype, 0, cfg.power_of_2_scale)
+        return plan.scale(a)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """Cast the local shard (padded to FSDP's padded shard shape) to FP8 bytes."""
-        cfg = self._config
         local = self._tensor
         ws = mesh.size()
         if tuple(local.shape[1:]) != tuple(outer_size[1:]):
             raise NotImplementedError("Fp8AllGatherWeight supports FSDP's dim-0 sharding only; "
                                       f"got shard {tuple(local.shape)} of {tuple(outer_size)}")
+        owner = _owner(self, module)
+        plan = owner._plan
+        if plan is None:  # decided once per weight, so every gather takes the same path
+            plan = owner._plan = choose_plan(owner._config, owner._tied, module, outer_size)
+            log_plan(plan)
         rows = -(-outer_size[0] // ws)  # FSDP pads every shard to ceil(dim0 / world) rows
         data = torch.zeros((rows, *local.shape[1:]), dtype=torch.uint8, device=local.device)
-        scale = self._shared_scale(mesh)
+        # the owner lives on the CPU under FSDP's CPU offload, the shard copy on the device
+        scale = self._shared_scale(owner, plan, mesh).to(local.device)
         n = local.numel()
         if n:
             cast_rows_into(local.contiguous().view(1, n), scale.reshape(1),
-                           data.view(-1)[:n].view(1, n), cfg.param_dtype,
-                           power_of_2=cfg.power_of_2_scale, impl=_cast_impl(cfg, local.device))
-        return (data,), (scale.reciprocal(),)
+                           data.view(-1)[:n].view(1, n), plan.fp8_dtype,
+                           power_of_2=plan.power_of_2, impl=_cast_impl(self._config, local.device))
+        return (data,), (scale.reciprocal(), plan)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """Dequantize the gathered FP8 bytes into the unsharded parameter (``param_dtype``)."""
+        """Wrap (direct plan) or dequantize the gathered FP8 bytes as the unsharded parameter."""
         (data,) = all_gather_outputs
-        (inv,) = metadata
-        cfg = self._config
-        impl = _cast_impl(cfg, data.device)
+        inv, plan = metadata
+        if inv.is_cuda:  # made on FSDP's copy-in stream, read on this one: no early reuse
+            inv.record_stream(torch.cuda.current_stream(inv.device))
+        if plan.direct:
+            return post_all_gather_direct(data, inv, plan, param_dtype, out)
+        impl = _cast_impl(self._config, data.device)
         if out is not None:
             target = getattr(out, "_local_tensor", out)  # DTensor (FSDP + TP) or plain
             rows = target.shape[0]
@@ -153,21 +193,31 @@ class Fp8AllGatherWeight(torch.Tensor):
             # Refill in place without bumping the version counter: autograd saved this tensor
             # in forward and would otherwise reject it in backward.
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
-                _decode_into(data[:rows].reshape(rows, row), inv, target, cfg, impl)
+                _decode_into(data[:rows].reshape(rows, row), inv, target, plan, impl)
             return None
         full = torch.empty(data.shape, dtype=param_dtype, device=data.device)
         with torch.no_grad():
-            _decode_into(data.reshape(data.shape[0], -1), inv, full, cfg, impl)
+            _decode_into(data.reshape(data.shape[0], -1), inv, full, plan, impl)
         return full, (full,)
 
 
+def _owner(weight: Fp8AllGatherWeight, module: Optional[nn.Module]) -> Fp8AllGatherWeight:
+    """The persistent sharded weight behind ``weight`` (FSDP hands the hooks a device copy of it
+    under CPU offload); it keeps the plan and the precomputed scale across steps."""
+    w = getattr(module, "weight", None)
+    local = getattr(w, "_local_tensor", w)
+    if isinstance(local, Fp8AllGatherWeight) and local.shape == weight.shape:
+        return local
+    return weight
+
+
 def _decode_into(data2d: torch.Tensor, inv: torch.Tensor, target: torch.Tensor,
-                 cfg: Fp8CommConfig, impl: str) -> None:
+                 plan: GatherPlan, impl: str) -> None:
     n = data2d.numel()
     dst = target if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype,
                                                             device=target.device)
-    decode_rows_into(data2d.reshape(1, n), inv.reshape(1).float(), cfg.param_dtype,
-                     dst.view(1, n), power_of_2=cfg.power_of_2_scale, impl=impl)
+    decode_rows_into(data2d.reshape(1, n), inv.reshape(1).float(), plan.fp8_dtype,
+                     dst.view(1, n), power_of_2=plan.power_of_2, impl=impl)
     if dst is not target:
         target.copy_(dst)
 
@@ -229,6 +279,7 @@ def enable_fp8_all_gather(model: nn.Module, config: Optional[Fp8CommConfig] = No
     keep = module_filter_fn or _default_filter
     replaced: dict[int, nn.Parameter] = {}
     names: list[str] = []
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for fqn, mod in model.named_modules():
         w = mod._parameters.get("weight")
         if w is None or not keep(mod, fqn) or id(w) in replaced:
@@ -239,7 +290,7 @@ def enable_fp8_all_gather(model: nn.Module, config: Optional[Fp8CommConfig] = No
                              "parallelize_module")
         if not w.is_floating_point():
             continue
-        replaced[id(w)] = nn.Parameter(Fp8AllGatherWeight(w.data, cfg),
+        replaced[id(w)] = nn.Parameter(Fp8AllGatherWeight(w.data, cfg, tied=uses[id(w)] > 1),
                                        requires_grad=w.requires_grad)
         names.append(f"{fqn}.weight" if fqn else "weight")
     for mod in model.modules():  # second pass: also swap every tied occurrence
@@ -280,17 +331,24 @@ def precompute_fp8_all_gather_scales(model: nn.Module) -> int:
 
     Call after each optimizer step; without it each weight pays a tiny all-reduce in its own
     ``fsdp_pre_all_gather``. A scale is used only while its weight is unchanged (the version
-    counter is checked), so a stale scale is never applied. Returns the number of weights.
+    counter is checked) and its :class:`GatherPlan` is the one the all-gather uses, so a stale
+    or mismatched scale is never applied. Returns the number of weights.
     """
-    by_mesh: dict[Any, list[Fp8AllGatherWeight]] = {}
-    for p in model.parameters():
-        local = getattr(p, "_local_tensor", p)
-        if isinstance(local, Fp8AllGatherWeight):
-            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(local)
+    by_mesh: dict[Any, list[tuple[Fp8AllGatherWeight, GatherPlan]]] = {}
+    seen: set[int] = set()
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            local = getattr(p, "_local_tensor", p)
+            if not isinstance(local, Fp8AllGatherWeight) or id(local) in seen:
+                continue
+            seen.add(id(local))
+            # The plan fixed by the first all-gather, else a provisional one (kept with the
+            # scale: the hook uses the scale only if its plan turns out the same).
+            plan = local._plan or choose_plan(local._config, local._tied, mod, None)
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append((local, plan))
     for mesh, weights in by_mesh.items():
-        amaxes = torch.stack([amax(w._tensor) for w in weights])
-        _all_reduce_max_over_mesh(amaxes, mesh)
-        for w, a in zip(weights, amaxes):
-            scale = scale_from_amax(a, w._config.param_dtype, 0, w._config.power_of_2_scale)
-            w._precomputed = (scale, w._tensor._version)
+        amaxes = torch.stack([amax(w._tensor) for w, _ in weights])
+        _all_reduce_max_over_mesh(amaxes, mesh)  # the one all-reduce (per mesh dim)
+        for (w, plan), a in zip(weights, amaxes):
+            w._precomputed = (plan.scale(a), w._tensor._version, plan)
     return sum(len(ws) for ws in by_mesh.values())
