@@ -107,7 +107,7 @@ class DTensorCheckpointIO(CheckpointIO):
         >>> from fp8boost.plugins import GeminiPlugin                         # doctest: +SKIP
         >>> booster = Booster(plugin=GeminiPlugin())                          # doctest: +SKIP
         >>> model, opt, *_ = booster.boost(model, opt)                        # doctest: +SKIP
-        >>> booster.save_model(model, "export")      # from_pretrained("export") loads it  # doctest: +SKIP
+        >>> booster.save_model(model, "export")  # from_pretrained loads it  # doctest: +SKIP
         >>> booster.save_checkpoint("ckpt", model, opt, extra={"step": 100})  # doctest: +SKIP
         >>> booster.load_checkpoint("ckpt", model, opt)  # any world size     # doctest: +SKIP
     """
@@ -120,9 +120,11 @@ class DTensorCheckpointIO(CheckpointIO):
         """HF folder, gathered a tensor at a time (see ``hf_sharded.write_gathered``)."""
         if not isinstance(size_per_shard_mb, (int, float)) or size_per_shard_mb <= 0:
             raise ValueError(f"size_per_shard_mb must be > 0, got {size_per_shard_mb!r}")
-        cio.atomic_save_dir(path, self.group,
-                            lambda tmp: self._write_model_into(model, tmp, shard, size_per_shard_mb),
-                            (cio.MODEL_INDEX, cio.MODEL_SINGLE))
+
+        def write(tmp: str) -> None:
+            self._write_model_into(model, tmp, shard, size_per_shard_mb)
+
+        cio.atomic_save_dir(path, self.group, write, (cio.MODEL_INDEX, cio.MODEL_SINGLE))
 
     def _write_model_into(self, model, directory: str, shard: bool, size_mb: float) -> None:
         writer = cio._rank(self.group) == 0
@@ -193,7 +195,9 @@ class DTensorCheckpointIO(CheckpointIO):
         cio._require(path, "DCP optimizer", OPTIM_MARKER)
         with open(os.path.join(path, OPTIM_MARKER)) as f:
             marker = json.load(f)
-        if marker.get("format") != OPTIM_FORMAT:
+        if marker.get("format") == "fp8boost-dcp-v1":  # first version: keyed by names
+            marker.setdefault("keys", "fqn")
+        elif marker.get("format") != OPTIM_FORMAT:
             raise ValueError(f"{path} has optimizer format {marker.get('format')!r}, expected "
                              f"{OPTIM_FORMAT!r}")
         return marker

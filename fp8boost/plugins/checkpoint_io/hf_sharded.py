@@ -26,12 +26,14 @@ from . import formats as cio
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+              torch.int8: "I8", torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32",
+              torch.uint64: "U64", torch.bool: "BOOL",
               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 # ------------------------------------------------------------------------- DTensor helpers
 def is_dtensor(t: torch.Tensor) -> bool:
+    # Duck-typed: importing torch.distributed.tensor costs seconds, and plain models never need it.
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
 
 
@@ -75,21 +77,21 @@ def local_slices(t: torch.Tensor) -> Optional[tuple[slice, ...]]:
 def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict(keep_vars=True)`` with tied tensors kept once (first key wins).
 
-    DTensor parameters are deduplicated by identity (FSDP2 gives tied parameters one object);
-    plain tensors by storage, as ``formats._dedup_state_dict`` does.
+    DTensor parameters are deduplicated by identity (FSDP2 gives tied parameters one object;
+    their local shards say nothing about the global tensor); plain tensors by storage, as
+    ``formats._dedup_state_dict`` does.
     """
     sd = module.state_dict(keep_vars=True)
+    plain = cio._dedup_state_dict({k: t for k, t in sd.items() if not is_dtensor(t)})
     seen: set[int] = set()
-    plain = {}
+    kept = {}
     for k, t in sd.items():
-        if is_dtensor(t):
-            if id(t) not in seen:
-                seen.add(id(t))
-                plain[k] = t
-        else:
-            plain[k] = t
-    dedup = cio._dedup_state_dict({k: t for k, t in plain.items() if not is_dtensor(t)})
-    return {k: t for k, t in plain.items() if is_dtensor(t) or k in dedup}
+        if is_dtensor(t) and id(t) not in seen:
+            seen.add(id(t))
+            kept[k] = t
+        elif k in plain:
+            kept[k] = t
+    return kept
 
 
 # ------------------------------------------------------------------------------ writing
@@ -108,13 +110,16 @@ class _StreamedFile:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned, as safetensors does
-        self.order = [k for k, _ in entries]
+        self.path = path
+        self.expected = [(k, t.dtype, tuple(t.shape)) for k, t in entries]
         self.fh = open(path, "wb")
         self.fh.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, key: str, t: torch.Tensor) -> None:
-        if key != self.order.pop(0):
-            raise RuntimeError(f"{key} arrived out of the header's order")
+        want = self.expected.pop(0) if self.expected else None
+        if want != (key, t.dtype, tuple(t.shape)):
+            raise RuntimeError(f"{self.path}: got {key} {t.dtype} {tuple(t.shape)}, the header "
+                               f"announced {want}")
         cpu = t.detach().to("cpu").contiguous()
         n = cpu.numel() * cpu.element_size()
         if n:  # safetensors stores little-endian, as every platform torch runs on
@@ -122,6 +127,8 @@ class _StreamedFile:
 
     def close(self) -> None:
         self.fh.close()
+        if self.expected:
+            raise RuntimeError(f"{self.path} is incomplete: {len(self.expected)} tensors missing")
 
 
 class _Sink:
@@ -254,8 +261,9 @@ class _NamedErrors:
     def __exit__(self, kind, exc, tb) -> bool:
         if isinstance(exc, (OSError, ValueError, KeyError, safetensors.SafetensorError)) \
                 and not isinstance(exc, CheckpointFileError):
-            raise CheckpointFileError(f"cannot read checkpoint file {self.path}: {exc} (missing, truncated or "
-                          "corrupt: restore it or load another checkpoint)") from exc
+            raise CheckpointFileError(f"cannot read checkpoint file {self.path}: {exc} (missing, "
+                                      "truncated or corrupt: restore it or load another "
+                                      "checkpoint)") from exc
         return False
 
 
@@ -293,21 +301,27 @@ def _check_keys(own: dict[str, torch.Tensor], shapes: dict[str, tuple], director
                            f"{unexpected[:10]} (strict=False allows missing/unexpected keys)")
 
 
-def _local_part(handle, key: str, t: torch.Tensor) -> torch.Tensor:
-    """The part of ``key`` that ``t``'s local storage holds (only that part is read)."""
+def _read_local(handle, key: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Read what ``t``'s local storage needs of ``key``: (data, True when it is the whole
+    tensor and this rank's piece must still be cut out of it)."""
     if not is_dtensor(t):
-        return handle.get_tensor(key)
+        return handle.get_tensor(key), False
     box = local_slices(t)
-    if box is not None:
-        if not box:  # 0-d
-            return handle.get_tensor(key)
-        if any(b.stop == b.start for b in box):  # an empty shard (uneven split): nothing to read
-            return torch.empty([b.stop - b.start for b in box])
-        return handle.get_slice(key)[box]
-    # No single box (strided shard, partial): read it whole and let DTensor cut this rank's
-    # piece locally (src_data_rank=None: no communication).
+    if box is None:  # no single box (strided shard, partial): read it whole
+        return handle.get_tensor(key), True
+    if not box:  # 0-d
+        return handle.get_tensor(key), False
+    if any(b.stop == b.start for b in box):  # an empty shard (uneven split): nothing to read
+        return torch.empty([b.stop - b.start for b in box]), False
+    return handle.get_slice(key)[box], False
+
+
+def _cut(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` for DTensor ``t``, cut locally (src_data_rank=None: every
+    rank holds ``full``, so nothing is communicated)."""
     from torch.distributed.tensor import distribute_tensor
-    full = handle.get_tensor(key).to(t.device_mesh.device_type)
+
+    full = full.to(t.device_mesh.device_type)
     return distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
 
 
@@ -335,11 +349,14 @@ def read_sharded(module: nn.Module, directory: str, strict: bool = True) -> None
                 if key not in where:
                     continue
                 with reader.errors(where[key]):
-                    part = _local_part(reader.file(where[key]), key, t)
+                    part, whole = _read_local(reader.file(where[key]), key, t)
+                if whole:
+                    part = _cut(part, t)
                 dst = local_of(t)
                 if tuple(part.shape) != tuple(dst.shape):
                     raise RuntimeError(f"{key}: read a {tuple(part.shape)} piece for a local shard "
-                                       f"of shape {tuple(dst.shape)} ({t.placements})")
+                                       f"of shape {tuple(dst.shape)} "
+                                       f"({getattr(t, 'placements', 'not a DTensor')})")
                 dst.copy_(part)
     finally:
         reader.close()
