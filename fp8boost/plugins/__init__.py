@@ -1,13 +1,15 @@
 """Training strategies for the Booster: one file per plugin.
 
 ``TorchDDPPlugin`` (DDP), ``LowLevelZeroPlugin`` (ZeRO-1/2), ``GeminiPlugin`` (ZeRO-3 on
-FSDP2), ``TorchFSDPPlugin`` (plain FSDP2). HybridParallelPlugin arrives in a later release.
+FSDP2), ``TorchFSDPPlugin`` (plain FSDP2), ``HybridParallelPlugin`` (tensor/sequence parallel x
+ZeRO; pipeline parallelism is not implemented yet).
 """
 from .gemini_plugin import GeminiPlugin
+from .hybrid_parallel_plugin import HybridParallelPlugin
 from .low_level_zero_plugin import LowLevelZeroPlugin
 from .plugin_base import Plugin, init_distributed
 from .torch_ddp_plugin import TorchDDPPlugin
 from .torch_fsdp_plugin import TorchFSDPPlugin
 
 __all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
-           "init_distributed"]
+           "HybridParallelPlugin", "init_distributed"]

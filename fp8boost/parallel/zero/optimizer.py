@@ -82,18 +82,25 @@ class ZeroOptimizer(OptimizerProxy):
                  reduce_bucket_numel: int = 12 * 1024 * 1024, max_norm: float = 0.0,
                  cpu_offload: bool = False, loss_scaler: Optional[DynamicLossScaler] = None,
                  fp8_communication: bool = False, comm_config=None,
-                 fp8_params: Optional[Iterable[torch.Tensor]] = None) -> None:
+                 fp8_params: Optional[Iterable[torch.Tensor]] = None, tp_group=None,
+                 tp_replicated: Optional[Iterable[torch.Tensor]] = None) -> None:
         self.validate(optimizer)
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if isinstance(stage, bool) or stage not in (0, 1, 2):
+            raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
         if not isinstance(reduce_bucket_numel, int) or reduce_bucket_numel < 1:
             raise ValueError(f"reduce_bucket_numel must be a positive int, got {reduce_bucket_numel!r}")
         if not (isinstance(max_norm, (int, float)) and max_norm >= 0):
             raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm!r}")
         self.optim = optimizer
         self.dp_group = dp_group
-        self.world = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        # dp_world: ranks gradients are averaged over; world: ranks the state is split over
+        # (stage 0 keeps whole masters on every rank and only all-reduces gradients).
+        self.dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.world = 1 if stage == 0 else self.dp_world
+        self.rank = dist.get_rank(dp_group) if dp_group is not None and stage else 0
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 \
+            else None
+        tp_ids = {id(p) for p in tp_replicated} if tp_replicated is not None else set()
         self.stage, self.master_weights, self.overlap = stage, master_weights, overlap_communication
         self.bucket_numel, self.max_norm, self.cpu_offload = reduce_bucket_numel, float(max_norm), cpu_offload
         self.loss_scaler = loss_scaler
@@ -106,11 +113,14 @@ class ZeroOptimizer(OptimizerProxy):
         for group in optimizer.param_groups:  # the wrapped optimizer now steps the master chunks
             group["params"] = [next(it) for _ in group["params"]]
         self._grad_shards: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        # Norm weight per parameter: a tensor replicated over tp is counted once, not tp times.
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        self._norm_weight = [1.0 / tp if id(p) in tp_ids else 1.0 for p in self.params]
         self._comm = (Collectives(dp_group, fp8_communication, comm_config)
-                      if self.world > 1 else None)
-        self._reducer = (GradReducer(self.params, self.shards, self.world, stage,
+                      if self.dp_world > 1 else None)
+        self._reducer = (GradReducer(self.params, self.shards, self.dp_world, max(stage, 1),
                                      reduce_bucket_numel, overlap_communication, self._comm,
-                                     self._accumulate) if self.world > 1 else None)
+                                     self._accumulate) if self.dp_world > 1 else None)
         fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
         self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
                                 for p in self.params]
@@ -119,7 +129,7 @@ class ZeroOptimizer(OptimizerProxy):
         self._prepared = False
         self._found_inf = False
         self._hooks = []
-        if self.world > 1:
+        if self.dp_world > 1:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
@@ -257,8 +267,10 @@ class ZeroOptimizer(OptimizerProxy):
             for g in grads:
                 found = torch.maximum(found, (~torch.isfinite(g)).any().to(found))
                 g.mul_(inv)
-            if self.world > 1:
+            if self.dp_world > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp_group)
+            if self.tp_group is not None:  # tp ranks hold different shards: skip alike
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.tp_group)
             self._found_inf = bool(found.item())
         self._prepared = True
 
@@ -277,18 +289,19 @@ class ZeroOptimizer(OptimizerProxy):
         return self.params[0].device if self.params else torch.device("cpu")
 
     def _global_norm(self, norm_type: float) -> float:
-        grads = [g for g in self._grad_shards if g is not None]
-        dev = self._comm_device()
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=dev)
-            if self.world > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.dp_group)
-            return float(local)
-        local = (torch.stack([g.norm(norm_type) ** norm_type for g in grads]).sum()
-                 if grads else torch.zeros((), device=dev))
+        """Norm over every shard on every dp rank and, with ``tp_group``, every tp rank."""
+        pairs = [(g, w) for g, w in zip(self._grad_shards, self._norm_weight) if g is not None]
+        local = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+        inf = norm_type == math.inf
+        if pairs:
+            local = (torch.stack([g.abs().max() for g, _ in pairs]).max() if inf else
+                     torch.stack([g.norm(norm_type) ** norm_type * w for g, w in pairs]).sum())
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if self.world > 1:
-            dist.all_reduce(local, group=self.dp_group)
-        return float(local) ** (1.0 / norm_type)
+            dist.all_reduce(local, op=op, group=self.dp_group)
+        if self.tp_group is not None:
+            dist.all_reduce(local, op=op, group=self.tp_group)
+        return float(local) if inf else float(local) ** (1.0 / norm_type)
 
     # ---------------------------------------------------------------------------- checkpoints
     def sync_master_from_model(self) -> None:
