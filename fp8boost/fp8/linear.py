@@ -34,7 +34,7 @@ from .backends import get_backend
 from .config import Fp8Config
 from .prequantized import (Fp8WeightTensor, dequantize_weight, fp8_weight_operand,
                            fp8_weight_transpose)
-from .scaling import DelayedScalingState, Fp8Tensor, amax
+from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
 
 _ROLES = ("input", "weight", "grad")
 
@@ -126,6 +126,7 @@ class Fp8Linear(nn.Linear):
         self._backend_device: Optional[torch.device] = None
         self._w_cache: Optional[tuple] = None
         self.amax_reduce_fn = None
+        self._amax_groups: dict[str, object] = {}
         self._delayed: dict[str, DelayedScalingState] = {}
         if config.recipe == "delayed":
             # Buffers, so the history moves with .to() and is saved in state_dict (exact resume).
@@ -164,6 +165,21 @@ class Fp8Linear(nn.Linear):
         for state in self._delayed.values():
             state.amax_reduce_fn = fn
 
+    def set_amax_groups(self, groups: dict[str, object]) -> None:
+        """Tensor parallelism hook: ``{role: process_group}`` for operands split over a group.
+
+        With current (tensorwise) scaling, an operand whose rows or columns are split over
+        ``group`` (``"input"``, ``"weight"`` or ``"grad"``) takes its scale from the amax of the
+        whole tensor, all-reduced (MAX) over the group, so every rank casts its shard exactly
+        as one process would cast the full tensor (as Transformer Engine does). Delayed scaling
+        reduces through :meth:`set_amax_reduce_fn` instead.
+        """
+        bad = set(groups) - set(_ROLES)
+        if bad:
+            raise ValueError(f"unknown FP8 operand role(s) {sorted(bad)}; use {_ROLES}")
+        self._amax_groups = {k: g for k, g in groups.items() if g is not None}
+        self._w_cache = None
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self._delayed and prefix + "fp8_amax_history" in state_dict:
@@ -180,6 +196,13 @@ class Fp8Linear(nn.Linear):
                   with_transpose: bool) -> Fp8Tensor:
         cfg, backend = self.fp8_config, self._fp8_backend
         if not self._delayed:
+            group = self._amax_groups.get(role)
+            if group is not None:  # a shard: scale from the whole tensor's amax
+                a = amax(x)
+                torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
+                scale = scale_from_amax(a, dtype, cfg.margin, cfg.power_of_2_scale)
+                q, _ = backend.quantize(x, dtype, scale=scale, with_transpose=with_transpose)
+                return q
             q, _ = backend.quantize(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
                                     with_transpose=with_transpose)
             return q
