@@ -1,7 +1,9 @@
 """FP8 training configuration: one frozen, validated object per run.
 
-A recipe is a config object, never a bag of kwargs. Named recipes are built with
-:meth:`Fp8Config.from_recipe`.
+A recipe is a config object, never a bag of kwargs. Two names, two things: the ``recipe``
+field is the scaling algorithm (``tensorwise`` or ``delayed``); a *named recipe*
+(:meth:`Fp8Config.from_recipe`: ``tensorwise``, ``tensorwise_pow2``, ``tensorwise_e4m3``,
+``delayed``) is a preset of several fields, the scaling algorithm among them.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ class Fp8Config:
     """
 
     recipe: str = "tensorwise"
-    """Scaling recipe. ``tensorwise``: current ("real-time") per-tensor scaling, the scale is
+    """Scaling algorithm. ``tensorwise``: current ("real-time") per-tensor scaling, the scale is
     computed from the tensor being cast. ``delayed``: TE-style, the scale comes from a history of
-    past amax values (cheaper, one step stale)."""
+    past amax values (cheaper, one step stale). The named recipes of :meth:`from_recipe`
+    (``tensorwise_pow2``, ``tensorwise_e4m3``, ...) are presets that set this field and others:
+    ``Fp8Config(recipe="tensorwise_pow2")`` is refused with a pointer to ``from_recipe``."""
 
     fp8_format: str = "hybrid"
     """``hybrid``: e4m3 for activations and weights, e5m2 for gradients (range over precision).
@@ -81,6 +85,12 @@ class Fp8Config:
     layer (e.g. to test FP8 numerics on a small model)."""
 
     def __post_init__(self) -> None:
+        if self.recipe in NAMED_RECIPES and self.recipe not in RECIPES:
+            # `recipe` is the scaling algorithm; the named recipes are presets of several fields.
+            raise ValueError(
+                f"Fp8Config(recipe={self.recipe!r}): {self.recipe!r} is a named recipe, not a "
+                f"scaling algorithm; use Fp8Config.from_recipe({self.recipe!r}). The recipe "
+                f"field takes {RECIPES}")
         _check_choice("recipe", self.recipe, RECIPES)
         _check_choice("fp8_format", self.fp8_format, FORMATS)
         _check_choice("backend", self.backend, BACKENDS)
@@ -95,8 +105,11 @@ class Fp8Config:
                 "use 1 to scale from the last step only")
         if self.margin < 0:
             raise ValueError(f"Fp8Config.margin must be >= 0, got {self.margin}")
-        if self.min_features < 1 or self.min_numel < 0:
-            raise ValueError("Fp8Config.min_features must be >= 1 and min_numel >= 0")
+        if self.min_features < 1:
+            raise ValueError(f"Fp8Config.min_features must be >= 1, got {self.min_features}")
+        if self.min_numel < 0:
+            raise ValueError(f"Fp8Config.min_numel must be >= 0, got {self.min_numel}; use 0 to "
+                             "convert every eligible layer whatever its size")
         if isinstance(self.skip_module_names, str) or not all(
                 isinstance(n, str) for n in self.skip_module_names):
             raise TypeError("Fp8Config.skip_module_names must be a tuple of str, "

@@ -2,18 +2,25 @@
 
 Because the very same Parameter objects move into the new modules, an optimizer built before the
 conversion keeps updating the right tensors, checkpoints keep their keys, and tied weights stay
-tied.
+tied. HF ``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, ...: a linear layer whose weight is
+stored transposed, ``[in, out]``) becomes an :class:`Fp8Conv1D`, which keeps that layout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import sys
+
 import torch
 from torch import nn
 
+from fp8boost import _state
+
 from .config import Fp8Config
 from .linear import Fp8Linear
+from .prequantized import Fp8WeightTensor, dequantize_weight
+from .scaling import Fp8Tensor
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -24,20 +31,68 @@ class ConversionReport:
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    already_fp8: list[str] = field(default_factory=list)
+    """Layers that were FP8 before this call (a second conversion, or a boosted model)."""
 
     def __str__(self) -> str:
         lines = [f"fp8boost: converted {len(self.converted)} linear layer(s) to FP8, "
+                 f"{len(self.already_fp8)} already in FP8, "
                  f"kept {len(self.skipped)} in high precision"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
+    def nothing_converted_advice(self, config: Fp8Config) -> str:
+        """Why no layer runs FP8 and what to change: only advice that applies to ``config``."""
+        reasons = sorted(set(self.skipped.values()))
+        if not reasons:
+            return ("the model has no nn.Linear or transformers Conv1D layer: FP8 applies to "
+                    "linear layers only (convolutions, embeddings and norms stay as they are)")
+        hints = []
+        if any("min_numel" in r or "min_features" in r for r in reasons):
+            hints.append("Fp8Config(min_numel=0) converts small layers anyway")
+        if any("skip_module_names" in r for r in reasons):
+            hints.append("Fp8Config(skip_module_names=()) converts the named layers too")
+        if any("subclass" in r for r in reasons):
+            hints.append("module_filter_fn=lambda m, name: True converts nn.Linear subclasses")
+        hint = "; ".join(hints) or "these layers cannot run FP8 GEMMs"
+        return (f"{'; '.join(reasons)}. Fix: {hint}. The Fp8Config goes to the plugin "
+                "(Plugin(use_fp8=True, fp8_config=...)), to Booster(mixed_precision="
+                "MixedPrecision('fp8', fp8_config)) without a plugin, or to "
+                "convert_to_fp8(model, fp8_config) directly")
 
-def skip_reason(module: nn.Linear, fqn: str, config: Fp8Config) -> Optional[str]:
+
+def _hf_conv1d_type() -> Optional[type]:
+    """``transformers.pytorch_utils.Conv1D`` if transformers is already imported, else None.
+
+    Never imports transformers itself (seconds): a model holding a Conv1D imported it already.
+    """
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return getattr(mod, "Conv1D", None) if mod is not None else None
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is an HF ``Conv1D`` (a linear layer with a ``[in, out]`` weight)."""
+    conv1d = _hf_conv1d_type()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or an HF Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]  # Conv1D: weight is [in, out]
+
+
+def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     """Why the default filter keeps this layer in high precision, or None to convert it."""
     leaf = fqn.rsplit(".", 1)[-1]
     if leaf in config.skip_module_names or fqn in config.skip_module_names:
         return "name is in skip_module_names (output head: keep full precision logits)"
-    k, n = module.in_features, module.out_features
+    if type(module) is not nn.Linear and not is_hf_conv1d(module):
+        # A subclass may change forward (LoRA, quantized layers): converting would drop that.
+        return (f"{type(module).__name__} is an nn.Linear subclass with its own forward "
+                "(converted only when module_filter_fn accepts it)")
+    k, n = _features(module)
     if k % 16 or n % 16:
         return f"shape [{n}, {k}] has a dim not divisible by 16 (FP8 tensor-core alignment)"
     if min(k, n) < config.min_features:
@@ -45,6 +100,74 @@ def skip_reason(module: nn.Linear, fqn: str, config: Fp8Config) -> Optional[str]
     if k * n < config.min_numel:
         return f"{k * n} weight elements < min_numel={config.min_numel} (too small to gain)"
     return None
+
+
+class Fp8Conv1D(Fp8Linear):
+    """FP8 replacement for HF ``transformers.pytorch_utils.Conv1D``: ``y = x @ W + b``.
+
+    The weight keeps Conv1D's ``[in, out]`` layout and is the very same Parameter, so state_dict
+    keys and shapes, ``from_pretrained``/``save_pretrained`` and optimizers are unaffected. The
+    three GEMMs are Fp8Linear's: the weight's FP8 cast and its transpose simply swap roles.
+
+    Example:
+        >>> import torch
+        >>> from transformers.pytorch_utils import Conv1D
+        >>> from fp8boost.fp8 import Fp8Config
+        >>> from fp8boost.fp8.convert import Fp8Conv1D
+        >>> layer = Fp8Conv1D.from_conv1d(Conv1D(32, 64), Fp8Config(backend="emulated"))
+        >>> layer.weight.shape, layer(torch.randn(2, 5, 64)).shape
+        (torch.Size([64, 32]), torch.Size([2, 5, 32]))
+    """
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, config: Optional[Fp8Config] = None) -> "Fp8Conv1D":
+        """Build an Fp8Conv1D sharing ``conv``'s weight and bias Parameters (no copy)."""
+        if conv.weight.dim() != 2:
+            raise TypeError(f"expected a Conv1D with a 2-D weight, got {tuple(conv.weight.shape)}")
+        k, n = conv.weight.shape
+        config = config if config is not None else Fp8Config()
+        with torch.device("meta"):  # nothing allocated: the Parameters come from conv
+            new = cls(k, n, bias=conv.bias is not None, config=config)
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.nx, new.nf = k, n  # HF code (e.g. head pruning) reads these
+        if config.recipe == "delayed":
+            dev = conv.weight.device
+            new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=dev)
+            new.fp8_scale = torch.ones_like(new.fp8_scale, device=dev)
+        new.train(conv.training)
+        return new
+
+    def _prequantized_ok(self, w: torch.Tensor) -> bool:
+        # An FP8 all-gathered [in, out] weight is dequantized and re-cast here: the direct path
+        # assumes Fp8Linear's [out, in] layout.
+        return False
+
+    def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
+        # The stored [in, out] weight cast with its transpose gives both operands: the [out, in]
+        # forward operand is its transpose, and the [in, out] dgrad operand is the cast itself.
+        wq = super()._weight_fp8(with_transpose=True)
+        return Fp8Tensor(wq.data_t, wq.inv_scale, wq.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Fp8Conv1D expected last dim {self.in_features}, got "
+                             f"{tuple(x.shape)}")
+        self._resolve_backend(x.device)
+        from .linear import _Fp8LinearFn  # the same autograd function as Fp8Linear
+
+        weight = self.weight
+        if isinstance(weight, Fp8WeightTensor):
+            weight = dequantize_weight(weight)
+        x2d = x.reshape(-1, self.in_features)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        # The Function returns the weight gradient as [out, in]; passing the transposed view
+        # lets autograd hand the [in, out] Parameter its gradient in its own layout.
+        y = _Fp8LinearFn.apply(x2d, weight.t(), bias, self)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.out_features}, nx={self.in_features}, {super().extra_repr()}"
 
 
 def _swap(model: nn.Module, make: Callable[[nn.Module, str], Optional[nn.Module]]) -> None:
@@ -75,6 +198,10 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
                    module_filter_fn: Optional[FilterFn] = None) -> ConversionReport:
     """Swap eligible ``nn.Linear`` submodules of ``model`` for ``Fp8Linear``, in place.
 
+    HF ``Conv1D`` layers (GPT-2 family) become :class:`Fp8Conv1D` (same ``[in, out]`` weight).
+    Other ``nn.Linear`` subclasses are converted only when ``module_filter_fn`` accepts them.
+    Warns (once) when nothing was converted, saying why and what to change.
+
     Args:
         model: the model to convert (its submodules are replaced; the model object is kept).
         config: FP8 recipe for every converted layer (default: ``Fp8Config()``, tensorwise).
@@ -83,7 +210,7 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
             below ``config.min_features`` / ``config.min_numel`` in high precision.
 
     Returns:
-        A ConversionReport listing converted and skipped layers (with reasons).
+        A ConversionReport listing converted, skipped (with reasons) and already-FP8 layers.
 
     Example:
         >>> import torch
@@ -106,7 +233,11 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
     report = ConversionReport()
 
     def make(mod: nn.Module, fqn: str) -> Optional[nn.Module]:
-        if type(mod) is not nn.Linear:  # exact type: Fp8Linear and other subclasses are left alone
+        if isinstance(mod, Fp8Linear):
+            report.already_fp8.append(fqn)
+            return None
+        conv1d = is_hf_conv1d(mod)
+        if not (isinstance(mod, nn.Linear) or conv1d):
             return None
         if module_filter_fn is not None:
             reason = None if module_filter_fn(mod, fqn) else "module_filter_fn returned False"
@@ -116,10 +247,21 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
             report.skipped[fqn] = reason
             return None
         report.converted.append(fqn)
-        return Fp8Linear.from_linear(mod, config)
+        return Fp8Conv1D.from_conv1d(mod, config) if conv1d else Fp8Linear.from_linear(mod, config)
 
     _swap(model, make)
+    if not report.converted and not report.already_fp8:
+        _warn_nothing_converted(report, config)
     return report
+
+
+def _warn_nothing_converted(report: ConversionReport, config: Fp8Config) -> None:
+    # The plugins warn under this same key after calling us; warn_once then keeps only this,
+    # more specific, message (theirs always suggested min_numel=0, even when it was set).
+    reasons = sorted(set(report.skipped.values()))
+    _state.warn_once(f"fp8-nothing-converted-{reasons}",
+                     "fp8boost: no linear layer was converted to FP8: "
+                     + report.nothing_converted_advice(config), stacklevel=4)
 
 
 def convert_from_fp8(model: nn.Module) -> int:
@@ -142,7 +284,10 @@ def convert_from_fp8(model: nn.Module) -> int:
         if not isinstance(mod, Fp8Linear):
             return None
         with torch.device("meta"):
-            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            if isinstance(mod, Fp8Conv1D):  # back to HF Conv1D, same [in, out] Parameter
+                lin = _hf_conv1d_type()(mod.out_features, mod.in_features)
+            else:
+                lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
         lin.weight, lin.bias = mod.weight, mod.bias
         lin.train(mod.training)
         count += 1

@@ -40,6 +40,7 @@ def test_named_recipes_build(name):
     ({"amax_history_len": 0}, "amax_history_len"),
     ({"margin": -1}, "margin"),
     ({"min_features": 0}, "min_features"),
+    ({"min_numel": -1}, r"min_numel must be >= 0, got -1"),  # issue 13: name the field
 ])
 def test_bad_values_raise_value_error_naming_the_field(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -63,3 +64,11 @@ def test_replace_revalidates():
     assert cfg.replace(margin=2).margin == 2
     with pytest.raises(ValueError):
         cfg.replace(margin=-3)
+
+
+def test_named_recipe_passed_as_recipe_field_points_to_from_recipe():
+    # issue 13: `recipe` takes the 2 scaling algorithms, from_recipe the 4 named presets.
+    for name in set(NAMED_RECIPES) - {"tensorwise", "delayed"}:
+        with pytest.raises(ValueError, match=rf"from_recipe\('{name}'\)"):
+            Fp8Config(recipe=name)
+    assert Fp8Config.from_recipe("tensorwise_pow2").recipe == "tensorwise"
