@@ -73,7 +73,17 @@ class Booster:
                                      device=self.device)
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
-        """Backpropagate ``loss`` (with loss scaling / gradient reduction as the plugin needs)."""
+        """Backpropagate ``loss`` (with loss scaling / gradient reduction as the plugin needs).
+
+        Raises:
+            TypeError: ``optimizer`` is not the one ``boost`` returned (e.g. called before boost).
+        """
+        if not callable(getattr(optimizer, "backward", None)):
+            # A raw torch optimizer would fail deep inside the plugin with an AttributeError.
+            raise TypeError(
+                f"booster.backward got a {type(optimizer).__name__}, not a boosted optimizer; "
+                "call `model, optimizer, *_ = booster.boost(model, optimizer)` first and pass "
+                "the optimizer it returns")
         self.plugin.backward(loss, optimizer)
 
     def no_sync(self, model: Optional[nn.Module] = None, optimizer=None) -> ContextManager:

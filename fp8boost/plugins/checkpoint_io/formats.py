@@ -220,6 +220,22 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
 
 
+def _open_checked(path: str, read: Callable):
+    """``read(path)`` (``safe_open``/``load_file``) with a truncated or corrupt file named.
+
+    safetensors' own error carries no path, so a user resuming from a half-written checkpoint
+    could not tell which file is bad.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        return read(path)
+    except SafetensorError as exc:
+        raise ValueError(f"checkpoint file {path} is unreadable ({exc}): it is truncated or "
+                         "corrupt (a save killed midway, a full disk or a partial copy?); "
+                         "resume from another checkpoint or copy the file again") from exc
+
+
 def read_model(model: nn.Module, directory: str, strict: bool = True) -> None:
     """Load a directory written by ``write_model`` (or by HF ``save_pretrained``).
 
@@ -235,7 +251,7 @@ def read_model(model: nn.Module, directory: str, strict: bool = True) -> None:
     own = model.state_dict()
     shapes: dict[str, tuple] = {}
     for fname in files:
-        with safe_open(os.path.join(directory, fname), "pt") as f:
+        with _open_checked(os.path.join(directory, fname), lambda p: safe_open(p, "pt")) as f:
             shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
     unexpected = [k for k in shapes if k not in own]
     wrong = [f"{k}: {shapes[k]} vs {tuple(own[k].shape)}" for k in shapes
@@ -248,7 +264,7 @@ def read_model(model: nn.Module, directory: str, strict: bool = True) -> None:
                            f"{wrong[:5]}, missing keys {missing[:10]}, unexpected keys "
                            f"{unexpected[:10]} (strict=False allows missing/unexpected keys)")
     for fname in files:
-        part = load_file(os.path.join(directory, fname))
+        part = _open_checked(os.path.join(directory, fname), load_file)
         model.load_state_dict({k: v for k, v in part.items() if k in own}, strict=False)
 
 
@@ -345,14 +361,16 @@ def read_optimizer(optimizer, directory: str) -> None:
             if a >= b:
                 continue
             if q not in handles:
-                handles[q] = safe_open(os.path.join(directory, _shard_file(q, saved_world)), "pt")
+                handles[q] = _open_checked(os.path.join(directory, _shard_file(q, saved_world)),
+                                           lambda p: safe_open(p, "pt"))
             parts.append(handles[q].get_slice(f"{i}/{key}")[a - qs:b - qs])
         if not parts:
             return torch.zeros(0)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     sharded, replicated = {}, {}
-    rep_file = safe_open(os.path.join(directory, OPTIM_REPLICATED), "pt")
+    rep_file = _open_checked(os.path.join(directory, OPTIM_REPLICATED),
+                             lambda p: safe_open(p, "pt"))
     for i, (meta, s) in enumerate(zip(metas, layout)):
         sharded[i] = {k: piece(i, k, s.start, s.end) for k in meta["sharded"]}
         replicated[i] = dict(meta["replicated_values"])
