@@ -239,6 +239,41 @@ class Fp8Linear(nn.Linear):
             return False
         return True
 
+    def set_prequantized_weight(self, data_fp8: Optional[torch.Tensor],
+                                inv_scale: Optional[torch.Tensor] = None) -> None:
+        """Use ``data_fp8`` / ``inv_scale`` as the FP8 weight operand while the weight is unchanged.
+
+        For producers that already hold this layer's weight cast, e.g. ZeRO's FP8 all-gather
+        (which casts the FP32 master with the scale from its global amax): the following
+        forwards skip the weight's amax and cast. The operand is keyed on ``self.weight``'s
+        storage and version and on the optimizer step epoch at the time of this call: any later
+        write to the weight, a new weight tensor or an optimizer step drops it (warned once) and
+        the layer casts the weight itself again. ``None`` drops it now.
+
+        Args:
+            data_fp8: ``[out_features, in_features]`` contiguous tensor in the forward FP8
+                format (e4m3); not copied, so the caller must not change it while it is valid.
+            inv_scale: FP32 0-dim tensor, ``data_fp8.float() * inv_scale`` is the weight.
+
+        Raises:
+            ValueError: delayed scaling (the weight scale follows the layer's own amax
+                history), or a wrong FP8 format or shape.
+        """
+        if data_fp8 is None:
+            self._pre_w = None
+            return
+        want = (self.out_features, self.in_features)
+        if self._delayed or data_fp8.dtype != self.fp8_config.fwd_dtype or \
+                tuple(data_fp8.shape) != want or not data_fp8.is_contiguous():
+            raise ValueError(f"set_prequantized_weight needs a tensorwise layer and a contiguous "
+                             f"{self.fp8_config.fwd_dtype} tensor of shape {want}; got "
+                             f"{data_fp8.dtype} {tuple(data_fp8.shape)}, recipe "
+                             f"{self.fp8_config.recipe!r}")
+        w = self.weight
+        key = (w.data_ptr(), w._version, _state.step_epoch())
+        self._w_cache = None  # an older cast of the same weight would only pin memory
+        self._pre_w = (key, data_fp8, inv_scale.float().reshape(()), [None])
+
     def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
         w = self.weight
         if isinstance(w, Fp8WeightTensor):
@@ -247,6 +282,20 @@ class Fp8Linear(nn.Linear):
                 return fp8_weight_operand(w, with_transpose)  # no cast, no cache
             return self._quantize("weight", dequantize_weight(w), self.fp8_config.fwd_dtype,
                                   with_transpose=with_transpose)
+        pre = self.__dict__.get("_pre_w")  # from set_prequantized_weight
+        if pre is not None:
+            why = "torch.compile (the validity key reads version counters)" if _compiling() else (
+                None if pre[0] == (w.data_ptr(), w._version, _state.step_epoch()) else
+                "the weight was written or an optimizer step ran since it was set")
+            if why is None:
+                if with_transpose and pre[3][0] is None:
+                    pre[3][0] = pre[1].t().contiguous()  # dgrad's K-major copy, made once
+                return Fp8Tensor(pre[1], pre[2], pre[3][0] if with_transpose else None)
+            _state.warn_once(("fp8-linear-prequantized-dropped", why),
+                             f"fp8boost: Fp8Linear casts its weight itself instead of using the "
+                             f"prequantized FP8 weight: {why}")
+            if not _compiling():
+                self._pre_w = None
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
         key = None
         if use_cache:

@@ -191,12 +191,16 @@ class GradReducer:
 
 def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
                       masters: list[torch.Tensor], world: int, bucket_numel: int,
-                      comm: Optional[Collectives], fp8_mask: Optional[list[bool]] = None) -> None:
+                      comm: Optional[Collectives], fp8_mask: Optional[list[bool]] = None,
+                      direct=None) -> None:
     """Write the updated master chunks back into the (replicated) working parameters.
 
     ``fp8_mask[i]`` says whether parameter ``i`` travels in FP8 (when ``comm`` is an FP8 one);
-    the others go in their own dtype. Buckets are double-buffered: bucket k+1 is in flight while
-    bucket k is unpacked, so at most two buckets of gathered parameters exist at once.
+    the others go in their own dtype. ``direct`` (a
+    :class:`~fp8boost.parallel.comm.direct_plan.ZeroDirectPlan`) names FP8 weights whose bytes
+    also feed their ``Fp8Linear`` directly: one all-reduce(MAX) of all their amaxes first, then
+    one scale per weight and plain uint8 buckets. Buckets are double-buffered: bucket k+1 is in
+    flight while bucket k is unpacked, so at most two buckets of gathered parameters exist at once.
     """
     with torch.no_grad():
         if world == 1:
@@ -204,23 +208,38 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
                 # copy_ on the Parameter itself bumps its version: FP8 weight caches see it.
                 p.copy_(m[: s.numel].view(s.shape))
             return
-        mask = fp8_mask if (fp8_mask is not None and comm.fp8) else [False] * len(params)
+        fp8 = comm.fp8 and fp8_mask is not None
+        kinds = [("direct" if direct is not None and i in direct.slot else "fp8")
+                 if fp8 and fp8_mask[i] else "plain" for i in range(len(params))]
+        scales = None
+        if "direct" in kinds:  # every direct weight's global amax, in ONE all-reduce
+            dev = params[direct.weights[0].index].device
+            scales = direct.global_scales(masters, dev, comm.group)
+        ctx = _GatherCtx(params, shards, masters, world, comm, kinds, direct, scales)
         in_flight: deque = deque()
-        for bucket in _gather_buckets(params, shards, mask, world, bucket_numel):
-            in_flight.append(_launch_gather(bucket, params, shards, masters, world, comm, mask))
+        for bucket in _gather_buckets(params, shards, kinds, world, bucket_numel):
+            in_flight.append(_launch_gather(bucket, ctx))
             if len(in_flight) > 1:
-                _finish_gather(in_flight.popleft(), params, shards, world)
+                _finish_gather(in_flight.popleft(), ctx)
         while in_flight:
-            _finish_gather(in_flight.popleft(), params, shards, world)
+            _finish_gather(in_flight.popleft(), ctx)
 
 
-def _gather_buckets(params, shards, mask, world, bucket_numel):
+class _GatherCtx:
+    """What every bucket of one ``all_gather_params`` call shares."""
+
+    def __init__(self, params, shards, masters, world, comm, kinds, direct, scales) -> None:
+        self.params, self.shards, self.masters, self.world = params, shards, masters, world
+        self.comm, self.kinds, self.direct, self.scales = comm, kinds, direct, scales
+
+
+def _gather_buckets(params, shards, kinds, world, bucket_numel):
     buckets: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     for i, p in enumerate(params):
         if shards[i].numel == 0:
             continue
-        key = (p.dtype, p.device, mask[i])
+        key = (p.dtype, p.device, kinds[i])
         buckets.setdefault(key, []).append(i)
         sizes[key] = sizes.get(key, 0) + shards[i].chunk * world
         if sizes[key] >= bucket_numel:
@@ -229,29 +248,41 @@ def _gather_buckets(params, shards, mask, world, bucket_numel):
     yield from (b for b in buckets.values() if b)
 
 
-def _launch_gather(items, params, shards, masters, world, comm, mask):
-    p0 = params[items[0]]
-    fp8 = mask[items[0]]
-    total = sum(shards[i].chunk for i in items)
+def _launch_gather(items: list[int], ctx: _GatherCtx):
+    p0 = ctx.params[items[0]]
+    kind = ctx.kinds[items[0]]
+    total = sum(ctx.shards[i].chunk for i in items)
+    if kind == "direct":  # already FP8 with each weight's global scale: plain uint8 on the wire
+        inp = torch.empty(total, dtype=torch.uint8, device=p0.device)
+        off = 0
+        for i in items:
+            c = ctx.shards[i].chunk
+            ctx.direct.cast_chunk(i, ctx.masters[i], ctx.scales, inp[off:off + c])
+            off += c
+        out = torch.empty(ctx.world * total, dtype=torch.uint8, device=p0.device)
+        return ctx.comm.all_gather(out, inp, fp8=False), items, out, total
     # FP8 on the wire: quantize straight from the FP32 masters (no BF16 double rounding).
-    in_dtype = masters[items[0]].dtype if fp8 else p0.dtype
+    in_dtype = ctx.masters[items[0]].dtype if kind == "fp8" else p0.dtype
     inp = torch.empty(total, dtype=in_dtype, device=p0.device)
     off = 0
     for i in items:
-        c = shards[i].chunk
-        inp[off:off + c].copy_(masters[i], non_blocking=True)
+        c = ctx.shards[i].chunk
+        inp[off:off + c].copy_(ctx.masters[i], non_blocking=True)
         off += c
-    out = torch.empty(world * total, dtype=p0.dtype, device=p0.device)
-    return comm.all_gather(out, inp, fp8=fp8), items, out, total
+    out = torch.empty(ctx.world * total, dtype=p0.dtype, device=p0.device)
+    return ctx.comm.all_gather(out, inp, fp8=kind == "fp8"), items, out, total
 
 
-def _finish_gather(entry, params, shards, world) -> None:
+def _finish_gather(entry, ctx: _GatherCtx) -> None:
     work, items, out, total = entry
     _wait(work)
-    rows = out.view(world, total)
+    rows = out.view(ctx.world, total)
     off = 0
     for i in items:
-        s = shards[i]
+        s = ctx.shards[i]
         full = rows[:, off:off + s.chunk].reshape(-1)[: s.numel]
-        params[i].copy_(full.view(s.shape))
+        if ctx.kinds[i] == "direct":
+            ctx.direct.receive(i, full, ctx.params[i], ctx.scales)
+        else:
+            ctx.params[i].copy_(full.view(s.shape))
         off += s.chunk

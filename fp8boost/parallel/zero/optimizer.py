@@ -223,7 +223,8 @@ class ZeroOptimizer(OptimizerProxy):
         for m in self.masters:
             m.grad = None
         all_gather_params(self.params, self.shards, self.masters, self.world,
-                          self.bucket_numel, self._comm, self.fp8_gather_mask)
+                          self.bucket_numel, self._comm, self.fp8_gather_mask,
+                          direct=self._fp8_direct_plan())
         self.zero_grad()
 
     # ---------------------------------------------------------------------------- internals
@@ -391,10 +392,43 @@ class ZeroOptimizer(OptimizerProxy):
             # Working params = gathered masters, exactly as after a step (FP8-rounded where the
             # gather is FP8), so a resumed run continues bit-identically.
             all_gather_params(self.params, self.shards, self.masters, self.world,
-                              self.bucket_numel, self._comm, self.fp8_gather_mask)
+                              self.bucket_numel, self._comm, self.fp8_gather_mask,
+                              direct=self._fp8_direct_plan())
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the optimizer stops working for distributed training)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    # ------------------------------------------------------------- direct FP8 weight operands
+    def _bind_fp8_layers(self, model: torch.nn.Module) -> None:
+        """Let FP8-gathered weights of ``model``'s ``Fp8Linear`` layers feed their GEMMs directly.
+
+        The optimizer only sees parameters, so whoever holds the model (the plugin, after
+        building this optimizer) binds it. Each weight gathered in FP8 whose sole consumer is
+        a tensorwise e4m3 ``Fp8Linear`` is then cast once per step with one scale from its
+        global amax, and the gathered bytes become the layer's weight operand (see
+        :mod:`fp8boost.parallel.comm.direct_plan`); the others keep the regular FP8 gather,
+        with the reason logged once.
+        """
+        from fp8boost.parallel.comm.direct_plan import build_direct_plan, weight_owners
+        fp8 = self._comm is not None and self._comm.fp8 and self.world > 1
+        mask = [fp8 and m for m in self.fp8_gather_mask]
+        self._fp8_direct = build_direct_plan(self.params, [s.shape for s in self.shards], mask,
+                                             weight_owners(model), self._comm.comm_config
+                                             if self._comm is not None else None)
+
+    def _fp8_direct_plan(self):
+        """The bound direct plan, or None (unbound: logged once, weights are re-cast by layers)."""
+        plan = self.__dict__.get("_fp8_direct")
+        if plan is None and self._comm is not None and self._comm.fp8 and self.world > 1 \
+                and any(self.fp8_gather_mask):
+            import logging
+
+            from fp8boost import _state
+            _state.log_once(logging.getLogger("fp8boost.parallel.zero"), "zero-fp8-ag-unbound",
+                            "fp8boost: ZeRO FP8 all-gather decodes weights and Fp8Linear re-casts "
+                            "them: no model was bound (ZeroOptimizer._bind_fp8_layers), so the "
+                            "optimizer does not know which layers consume its parameters")
+        return plan or None

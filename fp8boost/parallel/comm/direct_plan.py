@@ -1,0 +1,160 @@
+"""ZeRO's FP8 parameter all-gather feeding ``Fp8Linear``'s FP8 GEMM directly.
+
+Without this plan, ZeRO (stage 1/2, ``fp8_communication``) gathers an updated weight as FP8 with
+one scale per rank, decodes it to the working BF16 parameter, and the layer then takes that
+parameter's amax and casts it to FP8 again: two roundings and an extra amax + cast per weight
+per step. With it, for every weight consumed by a tensorwise ``Fp8Linear``:
+
+1. each rank takes the amax of its FP32 master chunk; ONE all-reduce(MAX) of the vector of all
+   these amaxes gives every weight its global amax;
+2. each chunk is cast to e4m3 with its weight's single scale (the layer's own rule:
+   ``scale_from_amax`` with the layer's margin and power-of-two setting), so the gathered bytes
+   are bit-identical to one cast of the full master weight;
+3. the bytes travel as plain uint8, land in a persistent e4m3 ``[N, K]`` buffer per layer and
+   are handed to the layer (:meth:`Fp8Linear.set_prequantized_weight`) as its weight operand;
+4. the working parameter is still decoded from the same bytes (checkpoints, other consumers and
+   the optimizer rely on it), so no extra collective is needed.
+
+Which weights qualify reuses the FSDP rule (:func:`fp8boost.parallel.fsdp.gather_plan.choose_plan`);
+the others keep the per-rank-scale FP8 gather, with the reason logged once.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8boost import _state
+from fp8boost.fp8.linear import Fp8Linear
+from fp8boost.fp8.scaling import amax, cast_to_fp8, dequantize
+
+from .config import Fp8CommConfig
+
+logger = logging.getLogger("fp8boost.parallel.zero")
+
+__all__ = ["DirectWeight", "ZeroDirectPlan", "weight_owners", "build_direct_plan"]
+
+
+@dataclass
+class DirectWeight:
+    """One weight on the direct path: its parameter index, consumer layer and byte buffer."""
+
+    index: int
+    layer: Fp8Linear
+    plan: object  # fsdp.gather_plan.GatherPlan (direct=True): FP8 dtype and the layer's scale rule
+    buffer: Optional[torch.Tensor] = None  # persistent FP8 [N, K], allocated on first gather
+
+
+def weight_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """``{id(parameter): [modules holding it directly]}``; more than one owner means tied."""
+    owners: dict[int, list[nn.Module]] = {}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(mod)
+    return owners
+
+
+def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size):
+    """The FSDP plan rule plus ZeRO's extra conditions; returns a ``GatherPlan``."""
+    # Imported here: the fsdp package pulls in FSDP2, which ZeRO users may never need.
+    from fp8boost.parallel.fsdp.gather_plan import GatherPlan, choose_plan
+    layer = mods[0] if len(mods) == 1 else None
+    why = None
+    if not config.enabled:
+        why = "Fp8CommConfig.enabled is False (parameters are not gathered in FP8)"
+    elif isinstance(layer, Fp8Linear) and layer.fp8_config.fwd_dtype != torch.float8_e4m3fn:
+        why = f"the layer's forward FP8 format {layer.fp8_config.fwd_dtype} is not e4m3"
+    elif isinstance(layer, Fp8Linear) and "weight" in getattr(layer, "_amax_groups", {}):
+        why = "the weight is tensor-parallel: its scale comes from an amax over the tp group"
+    if why is not None:
+        return GatherPlan(False, config.param_dtype, 0, config.power_of_2_scale, why)
+    module = layer if layer is not None else (mods[0] if mods else None)
+    return choose_plan(config, len(mods) > 1, module, shape)
+
+
+def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_mask: list[bool],
+                      owners: dict[int, list[nn.Module]],
+                      config: Optional[Fp8CommConfig]) -> "ZeroDirectPlan":
+    """Decide, for every FP8-gathered parameter, whether its bytes feed its layer directly.
+
+    Args:
+        params: the optimizer's working parameters, in index order.
+        shapes: each parameter's full shape.
+        fp8_mask: which parameters are all-gathered in FP8 at all.
+        owners: :func:`weight_owners` of the model.
+        config: the ZeRO optimizer's ``Fp8CommConfig`` (None: the default one).
+    """
+    cfg = config if config is not None else Fp8CommConfig()
+    weights = []
+    for i, (p, shape, fp8) in enumerate(zip(params, shapes, fp8_mask)):
+        if not fp8:
+            continue
+        mods = [m for m in owners.get(id(p), []) if m._parameters.get("weight") is p] or \
+            owners.get(id(p), [])
+        plan = _choose(cfg, mods, shape)
+        if plan.direct:
+            weights.append(DirectWeight(i, mods[0], plan))
+        elif isinstance(mods[0] if mods else None, Fp8Linear) or len(mods) > 1:
+            # Only weights an Fp8Linear would have consumed are worth a word; biases and
+            # plain modules' parameters are expected to take the regular FP8 gather.
+            _state.log_once(logger, ("zero-fp8-ag-regular", plan.reason),
+                            "fp8boost: ZeRO FP8 all-gather decodes a weight to its working "
+                            f"dtype and the layer re-casts it: {plan.reason}")
+    if weights:
+        _state.log_once(logger, "zero-fp8-ag-direct",
+                        "fp8boost: ZeRO FP8 all-gather feeds Fp8Linear's FP8 GEMM directly "
+                        "(one amax all-reduce per step, no re-quantize of the weight)",
+                        level=logging.INFO)
+    return ZeroDirectPlan(weights)
+
+
+class ZeroDirectPlan:
+    """The direct-path weights of one ZeRO optimizer, and the per-step math on them."""
+
+    def __init__(self, weights: list[DirectWeight]) -> None:
+        self.weights = weights
+        self.slot = {w.index: j for j, w in enumerate(weights)}  # param index -> amax entry
+
+    def __bool__(self) -> bool:
+        return bool(self.weights)
+
+    def global_scales(self, masters: list[torch.Tensor], device: torch.device,
+                      group) -> torch.Tensor:
+        """One FP32 scale per direct weight, from ONE all-reduce(MAX) of the chunk amaxes.
+
+        Padding in a master chunk is zero, so it never raises the amax.
+        """
+        local = torch.stack([amax(masters[w.index]).to(device) for w in self.weights])
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        scales = torch.empty_like(local)
+        for j, w in enumerate(self.weights):
+            scales[j] = w.plan.scale(local[j])
+        return scales
+
+    def cast_chunk(self, index: int, master: torch.Tensor, scales: torch.Tensor,
+                   out_u8: torch.Tensor) -> None:
+        """Cast one master chunk with its weight's scale into ``out_u8`` (uint8 bytes)."""
+        w = self.weights[self.slot[index]]
+        scale = scales[self.slot[index]]
+        q = cast_to_fp8(master.to(out_u8.device, non_blocking=True), scale, w.plan.fp8_dtype)
+        out_u8.copy_(q.view(torch.uint8))
+
+    def receive(self, index: int, full_u8: torch.Tensor, param: torch.Tensor,
+                scales: torch.Tensor) -> None:
+        """Store a gathered weight's bytes, decode the working param, hand both to the layer.
+
+        ``full_u8``: the weight's ``numel`` gathered bytes (padding already dropped).
+        """
+        w = self.weights[self.slot[index]]
+        if w.buffer is None or w.buffer.device != param.device:
+            w.buffer = torch.empty(param.shape, dtype=w.plan.fp8_dtype, device=param.device)
+        w.buffer.view(torch.uint8).view(-1).copy_(full_u8)
+        inv = scales[self.slot[index]].reciprocal()
+        # copy_ on the Parameter bumps its version; the layer keys the bytes on the new one.
+        param.copy_(dequantize(w.buffer, inv, param.dtype))
+        w.layer.set_prequantized_weight(w.buffer, inv)

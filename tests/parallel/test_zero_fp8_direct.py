@@ -1,0 +1,202 @@
+"""ZeRO's FP8 parameter all-gather feeding Fp8Linear's FP8 GEMM directly (gloo, 2 ranks, emulated).
+
+What is checked (one spawn, many assertions):
+* (a) the bytes each tensorwise layer receives equal ``cast_to_fp8(full_master, scale, e4m3)``
+  bit for bit, with ``scale`` from the global amax by the layer's own rule, and the inverse
+  scale is exactly ``1/scale``; the working BF16 weight is decoded from the same bytes;
+* (b) the layer's forward/dgrad with those bytes equal a manual FP8 GEMM with the full cast,
+  and the layer never quantizes its weight nor fills its weight-cast cache;
+* (c) a write to the weight, or another optimizer step, drops the bytes (warned) and the layer
+  casts its weight itself again; a delayed-scaling layer keeps the regular path;
+* (d) LowLevelZeroPlugin stage 1 and 2 with use_fp8 + fp8_communication and the direct path
+  bound still match the single-process FP8 run within the existing parity tolerances;
+* (e) exactly one all-reduce (MAX, one entry per direct weight) per optimizer step.
+"""
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.dist_utils import run_distributed
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _cfgs(**kw):
+    from fp8boost.fp8 import Fp8Config
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    return Fp8Config(backend="emulated", min_numel=0, **kw), Fp8CommConfig(min_numel=0)
+
+
+def _model():
+    from fp8boost.fp8 import Fp8Linear
+    cfg, _ = _cfgs()
+    delayed, _ = _cfgs(recipe="delayed")
+    torch.manual_seed(0)
+    return nn.Sequential(Fp8Linear(32, 64, config=cfg), nn.Tanh(),
+                         Fp8Linear(64, 48, config=delayed), nn.Tanh(),
+                         Fp8Linear(48, 16, config=cfg)).to(torch.bfloat16)
+
+
+class _Spy:
+    """Records ``dist.all_reduce`` calls (op, numel) and ``Fp8Linear._quantize`` roles."""
+
+    def __init__(self):
+        from fp8boost.fp8 import Fp8Linear
+        self.reduces, self.roles = [], []
+        self._ar, self._q, self._cls = dist.all_reduce, Fp8Linear._quantize, Fp8Linear
+
+    def __enter__(self):
+        spy, ar, q = self, self._ar, self._q
+
+        def all_reduce(t, *a, **k):
+            spy.reduces.append((k.get("op", a[0] if a else dist.ReduceOp.SUM), t.numel()))
+            return ar(t, *a, **k)
+
+        def quantize(layer, role, x, dtype, with_transpose):
+            spy.roles.append((id(layer), role))
+            return q(layer, role, x, dtype, with_transpose)
+
+        dist.all_reduce, self._cls._quantize = all_reduce, quantize
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce, self._cls._quantize = self._ar, self._q
+
+
+def _step(model, opt, rank: int, step: int) -> _Spy:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x = (torch.randn(8, 32, generator=g) * (1 + rank)).to(torch.bfloat16)
+    loss = model(x).float().pow(2).mean()
+    opt.backward(loss)
+    with _Spy() as spy:
+        opt.step()
+    opt.zero_grad()
+    return spy
+
+
+def _expected(full: torch.Tensor, cfg):
+    from fp8boost.fp8.scaling import amax, cast_to_fp8, scale_from_amax
+    scale = scale_from_amax(amax(full), E4M3, cfg.margin, cfg.power_of_2_scale)
+    return cast_to_fp8(full, scale, E4M3), scale
+
+
+def _check_bytes(model, opt) -> None:
+    """(a): bytes, inverse scale and the decoded working weight, for every tensorwise layer."""
+    from fp8boost.fp8.scaling import dequantize
+    full = opt.full_master_params()
+    for idx in (0, 4):
+        layer = model[idx]
+        i = next(k for k, p in enumerate(opt.params) if p is layer.weight)
+        q, scale = _expected(full[i], layer.fp8_config)
+        _, data, inv, _ = layer._pre_w
+        assert data.dtype == E4M3 and data.shape == layer.weight.shape
+        assert torch.equal(data.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(inv, scale.reciprocal())
+        assert torch.equal(layer.weight.detach(), dequantize(q, inv, torch.bfloat16))
+    assert "_pre_w" not in model[2].__dict__  # delayed scaling: regular FP8 gather
+
+
+def _check_forward(model) -> None:
+    """(b): forward and dgrad equal a manual GEMM with the full cast; no weight amax/cast."""
+    layer = model[0]
+    _, data, inv, _ = layer._pre_w
+    be, cfg = layer._fp8_backend, layer.fp8_config
+    x = torch.randn(6, 32).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(6, 64).to(torch.bfloat16)
+    layer._w_cache = None
+    with _Spy() as spy:
+        y = layer(x)
+        y.backward(dy)
+    assert all(role != "weight" for _, role in spy.roles), spy.roles
+    assert layer._w_cache is None
+    xq = layer._quantize("input", x.detach(), cfg.fwd_dtype, with_transpose=False)
+    y_ref = be.mm(xq.data, data, xq.inv_scale, inv, bias=layer.bias.to(x.dtype),
+                  out_dtype=x.dtype, use_fast_accum=cfg.fast_accum_fprop)
+    assert torch.equal(y.detach(), y_ref)
+    dyq = layer._quantize("grad", dy, cfg.grad_dtype, with_transpose=False)
+    dx_ref = be.mm(dyq.data, data.t().contiguous(), dyq.inv_scale, inv, out_dtype=x.dtype,
+                   use_fast_accum=cfg.fast_accum_dgrad)
+    assert torch.equal(x.grad, dx_ref)
+
+
+def _casts_weight(layer) -> bool:
+    with _Spy() as spy, warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        layer(torch.randn(2, layer.in_features).to(torch.bfloat16))
+    return (id(layer), "weight") in spy.roles
+
+
+def _check_invalidation(model, opt, rank: int) -> None:
+    """(c): a weight write or another optimizer step drops the bytes."""
+    layer = model[4]
+    assert not _casts_weight(layer)
+    with torch.no_grad():
+        layer.weight.mul_(1)  # bumps the version
+    assert _casts_weight(layer) and layer.__dict__.get("_pre_w") is None
+    _step(model, opt, rank, 7)  # a ZeRO step hands fresh bytes
+    assert not _casts_weight(layer)
+    other = torch.zeros(1, requires_grad=True)
+    other.grad = torch.ones(1)
+    torch.optim.SGD([other], lr=0.1).step()  # any optimizer step bumps the epoch
+    assert _casts_weight(layer)
+
+
+def _zero_direct(rank: int, world: int) -> None:
+    from fp8boost.parallel.zero import ZeroOptimizer
+    _, comm = _cfgs()
+    for stage in (2, 1):
+        model = _model()
+        opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            dp_group=dist.group.WORLD, stage=stage, fp8_communication=True,
+                            comm_config=comm, fp8_params=[model[i].weight for i in (0, 2, 4)],
+                            reduce_bucket_numel=2000)
+        opt._bind_fp8_layers(model)
+        for step in range(3):
+            spy = _step(model, opt, rank, step)
+            # (e) the amax all-reduce is the step's only all-reduce (stage 2: none for grads)
+            mine = [r for r in spy.reduces if r == (dist.ReduceOp.MAX, 2)]
+            assert len(mine) == 1, spy.reduces
+            if stage == 2:
+                assert len(spy.reduces) == 1, spy.reduces
+            _check_bytes(model, opt)
+        _check_forward(model)
+        _check_invalidation(model, opt, rank)
+
+
+def _plugin_parity(rank: int, world: int) -> dict:
+    """(d): the plugin's parity against a single process, with the direct path bound."""
+    from fp8boost.booster import Booster
+    from fp8boost.fp8 import Fp8Linear
+    from tests.plugins import helpers as H
+    from tests.plugins.test_plugins_distributed import STEPS, TOL, _plugin, _references, _sgd
+    ref_losses, ref_weights = _references(("fp8",))["fp8"]
+    init = list(H.make_mlp().parameters())
+    out = {}
+    for name in ("zero1", "zero2"):
+        booster = Booster(plugin=_plugin(name, "fp8", True))
+        model = H.make_mlp()
+        model, opt, *_ = booster.boost(model, _sgd(model))
+        opt._bind_fp8_layers(model)
+        with _Spy() as spy:
+            losses = H.train(booster, model, opt, rank, world, STEPS)
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        assert len(layers) == 3 and all(m.__dict__.get("_pre_w") is not None for m in layers)
+        assert sum(r == (dist.ReduceOp.MAX, 3) for r in spy.reduces) == STEPS, spy.reduces
+        dl = H.max_rel(losses, ref_losses)
+        dw = H.rel_update_error(H.true_weights(model, opt), ref_weights, init)
+        tl, tw = TOL["comm"]
+        assert dl <= tl and dw <= tw, (name, dl, dw)
+        out[name] = (dl, dw)
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    _zero_direct(rank, world)
+    return _plugin_parity(rank, world)
+
+
+def test_zero_fp8_gather_feeds_the_gemm_directly():
+    results = run_distributed(_worker, 2, timeout=300)
+    print("zero fp8 direct parity (loss, weights):", results[0])
