@@ -204,6 +204,8 @@ class HybridParallelPlugin(Plugin):
             self._note_fp8_tp(model)
         _delayed_amax_over_world(model)
         opt = self._wrap_optimizer(model, optimizer, topo) if optimizer is not None else None
+        if opt is not None:
+            opt.bind_fp8_layers(model)
         wrapped = ModelWrapper(model, DTYPES[self.precision])
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, dims.dp, self.dp_rank)

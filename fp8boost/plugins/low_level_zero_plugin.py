@@ -127,6 +127,7 @@ class LowLevelZeroPlugin(Plugin):
                 loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
                 fp8_communication=self.fp8_communication, comm_config=self.comm_config,
                 fp8_params=self._fp8_gather_params(model))
+            opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         wrapped = ModelWrapper(model, DTYPES[self.precision])
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, self.dp_world_size, self.dp_rank)

@@ -152,7 +152,7 @@ def _zero_direct(rank: int, world: int) -> None:
                             dp_group=dist.group.WORLD, stage=stage, fp8_communication=True,
                             comm_config=comm, fp8_params=[model[i].weight for i in (0, 2, 4)],
                             reduce_bucket_numel=2000)
-        opt._bind_fp8_layers(model)
+        opt.bind_fp8_layers(model)
         for step in range(3):
             spy = _step(model, opt, rank, step)
             # (e) the amax all-reduce is the step's only all-reduce (stage 2: none for grads)
@@ -178,7 +178,7 @@ def _plugin_parity(rank: int, world: int) -> dict:
         booster = Booster(plugin=_plugin(name, "fp8", True))
         model = H.make_mlp()
         model, opt, *_ = booster.boost(model, _sgd(model))
-        opt._bind_fp8_layers(model)
+        opt.bind_fp8_layers(model)
         with _Spy() as spy:
             losses = H.train(booster, model, opt, rank, world, STEPS)
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]

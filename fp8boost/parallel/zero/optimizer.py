@@ -402,7 +402,7 @@ class ZeroOptimizer(OptimizerProxy):
         self._hooks.clear()
 
     # ------------------------------------------------------------- direct FP8 weight operands
-    def _bind_fp8_layers(self, model: torch.nn.Module) -> None:
+    def bind_fp8_layers(self, model: torch.nn.Module) -> None:
         """Let FP8-gathered weights of ``model``'s ``Fp8Linear`` layers feed their GEMMs directly.
 
         The optimizer only sees parameters, so whoever holds the model (the plugin, after
@@ -429,6 +429,6 @@ class ZeroOptimizer(OptimizerProxy):
             from fp8boost import _state
             _state.log_once(logging.getLogger("fp8boost.parallel.zero"), "zero-fp8-ag-unbound",
                             "fp8boost: ZeRO FP8 all-gather decodes weights and Fp8Linear re-casts "
-                            "them: no model was bound (ZeroOptimizer._bind_fp8_layers), so the "
+                            "them: no model was bound (ZeroOptimizer.bind_fp8_layers), so the "
                             "optimizer does not know which layers consume its parameters")
         return plan or None
