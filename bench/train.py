@@ -19,6 +19,12 @@ Configs (``--configs``, comma separated; default: all but ``single_*``; ``all``:
     zero2_bf16, zero2_fp8, zero2_fp8_comm          LowLevelZeroPlugin(stage=2)
     gemini_bf16, gemini_fp8, gemini_fp8_comm       GeminiPlugin (ZeRO-3 on FSDP2)
     torchfsdp_bf16, torchfsdp_fp8, torchfsdp_fp8_comm   TorchFSDPPlugin (plain FSDP2)
+    tp2_bf16, tp2_fp8, tp2_fp8_comm                HybridParallelPlugin(tp_size=2, zero_stage=1)
+    tp2sp_bf16, tp2sp_fp8, tp2sp_fp8_comm          ... with sequence parallelism
+
+Tensor-parallel configs keep the per-GPU token count of the others: each model replica takes a
+micro batch of ``--batch-size x tp`` sequences (the same global batch on the same GPUs), and the
+tp ranks of a replica read the same tokens.
 
 Compiled runs (``--compile``) prove they compiled: each decoder layer is compiled in place,
 dynamo's recompile limit is raised above the layer count and a hit fails the config instead
@@ -71,7 +77,8 @@ import torch.distributed as dist  # noqa: E402
 import presets  # noqa: E402  (examples/presets.py)
 from metrics import flops_per_token, matmul_params  # noqa: E402  (examples/metrics.py)
 
-PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2", "gemini", "torchfsdp")
+PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2", "gemini", "torchfsdp", "tp2",
+                                        "tp2sp")
                   for v in ("bf16", "fp8", "fp8_comm")]
 ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", *PLUGIN_CONFIGS]
 DEFAULT_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", *PLUGIN_CONFIGS]
@@ -255,6 +262,12 @@ def setup_fsdp2(model, args, device, torchao: bool):
     return model, optimizer, lambda loss: loss.backward(), post_step
 
 
+def tp_of(name: str) -> int:
+    """Tensor-parallel size of a config (``tp2sp_fp8`` -> 2; 1 for the others)."""
+    kind = name.split("_", 1)[0]
+    return int(kind[2:].removesuffix("sp")) if kind.startswith("tp") else 1
+
+
 def setup_booster(model, name: str, args, device):
     """An fp8boost config: ``single_*`` (no plugin), ``ddp_*``, ``zero1_*``, ``zero2_*``."""
     from fp8boost.booster import Booster
@@ -281,6 +294,13 @@ def setup_booster(model, name: str, args, device):
         booster = Booster(plugin=GeminiPlugin(precision="bf16", use_fp8=use_fp8,
                                               fp8_communication=fp8_comm, fp8_config=fp8_cfg),
                           device=device)
+    elif kind.startswith("tp"):
+        from fp8boost.plugins import HybridParallelPlugin
+        plugin = HybridParallelPlugin(tp_size=tp_of(name), zero_stage=1, precision="bf16",
+                                      enable_sequence_parallelism=kind.endswith("sp"),
+                                      use_fp8=use_fp8, fp8_communication=fp8_comm,
+                                      reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
+        booster = Booster(plugin=plugin, device=device)
     elif kind == "torchfsdp":
         from fp8boost.plugins import TorchFSDPPlugin
         booster = Booster(plugin=TorchFSDPPlugin(precision="bf16", use_fp8=use_fp8,
@@ -326,8 +346,10 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
                                                             torchao=name == "torchao_fsdp2")
     else:
         model, optimizer, backward, post_step = setup_booster(model, name, args, device)
-    gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own (random) batch
-    tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+    tp = tp_of(name)
+    # Each replica its own (random) batch; the tp ranks of a replica share it.
+    gen = torch.Generator().manual_seed(1234 + rank // tp)
+    tokens = torch.randint(0, args.vocab_size, (args.batch_size * tp, args.seq_len), generator=gen)
     tokens = tokens.to(device)
 
     def step() -> torch.Tensor:

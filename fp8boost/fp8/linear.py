@@ -60,7 +60,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         backend, cfg = layer._fp8_backend, layer.fp8_config
         # Grad mode is off inside forward: needs_input_grad says what backward will need.
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq = layer._quantize("input", x2d, cfg.fwd_dtype, with_transpose=need_wgrad)
+        xq = layer._input_fp8(x2d, with_transpose=need_wgrad)
         # A prequantized weight's transpose is made in backward, from the bytes (re-)gathered
         # then: saving it here would pin K*N bytes per layer between forward and backward, which
         # is exactly what FSDP's reshard-after-forward frees.
@@ -214,6 +214,28 @@ class Fp8Linear(nn.Linear):
                                 with_transpose=with_transpose)
         state.record(state.reduce(a))
         return q
+
+    def _input_fp8(self, x2d: torch.Tensor, with_transpose: bool) -> Fp8Tensor:
+        """The input operand: the bytes of an FP8 carrier as they are (e.g. the sequence-
+        parallel FP8 all-gather's output: no amax, no cast), else a cast of ``x2d``."""
+        if isinstance(x2d, Fp8WeightTensor):
+            why = self._carrier_mismatch(x2d)
+            if why is None:
+                data = x2d._data.contiguous()
+                return Fp8Tensor(data, x2d._inv_scale,
+                                 data.t().contiguous() if with_transpose else None)
+            _state.warn_once(("fp8-linear-prequantized-input", why),
+                             f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 input: {why}")
+            x2d = dequantize_weight(x2d)
+        return self._quantize("input", x2d, self.fp8_config.fwd_dtype,
+                              with_transpose=with_transpose)
+
+    def _carrier_mismatch(self, x: Fp8WeightTensor):
+        if x._data.dtype != self.fp8_config.fwd_dtype:
+            return f"its FP8 format {x._data.dtype} is not the forward format"
+        if self._delayed:
+            return "delayed scaling keeps its own input amax history"
+        return None
 
     def _prequantized_ok(self, w: torch.Tensor) -> bool:
         """Whether ``w`` is an :class:`Fp8WeightTensor` this layer can feed to its GEMMs as is.

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8boost import _state
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.parallel.zero import ZeroOptimizer
 
@@ -63,9 +62,13 @@ class HybridParallelPlugin(Plugin):
         custom_policy: a ``fp8boost.parallel.tp.TpPlan``, or a function ``model -> TpPlan``, for
             models the built-in HF policy (Llama, Mistral, Qwen2 and same-structured) misses.
         use_fp8: run eligible linear layers' three GEMMs in FP8 on each rank's shard.
-        fp8_communication: FP8 payloads for the ZeRO gradient reduction and parameter
-            all-gather over dp (as ``LowLevelZeroPlugin``). The tensor-parallel activation
-            collectives stay in the training dtype in this release (logged once).
+        fp8_communication: FP8 on the wire. Over dp: the ZeRO gradient reduction and the
+            parameter all-gather (FP8 weights feed their GEMMs directly), as
+            ``LowLevelZeroPlugin``. Over tp with sequence parallelism: each region's input
+            all-gather moves e4m3 bytes (one scale from the amax all-reduced over tp) that
+            q/k/v and gate/up consume without a second cast. Region exits and backward
+            collectives stay in the training dtype (FP8 reduce-scatter measured slower at
+            these sizes); the reasons are logged once and kept in ``plugin.tp_state.comm_report``.
         fp8_config: FP8 recipe (``Fp8Config``). comm_config: ``Fp8CommConfig``.
         overlap_communication, reduce_bucket_size_in_m, cpu_offload: ZeRO options, as in
             ``LowLevelZeroPlugin``.
@@ -200,8 +203,8 @@ class HybridParallelPlugin(Plugin):
         tp_group = topo.group("tp")
         if plan is not None:
             self.tp_state = apply_tp(model, plan, tp_group,
-                                     sequence_parallel=self.enable_sequence_parallelism)
-            self._note_fp8_tp(model)
+                                     sequence_parallel=self.enable_sequence_parallelism,
+                                     fp8_communication=self.fp8_communication)
         _delayed_amax_over_world(model)
         opt = self._wrap_optimizer(model, optimizer, topo) if optimizer is not None else None
         if opt is not None:
@@ -224,12 +227,10 @@ class HybridParallelPlugin(Plugin):
             fp8_params=_fp8_weights(model), tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated)
 
-    def _note_fp8_tp(self, model: nn.Module) -> None:
-        if self.fp8_communication and self.tp_size > 1:
-            _state.log_once(logger, ("hybrid-tp-fp8-comm",),
-                            "fp8boost: HybridParallelPlugin(fp8_communication=True) sends ZeRO "
-                            "gradients/parameters over dp in FP8; the tensor-parallel activation "
-                            "collectives stay in the training dtype in this release")
+    def get_checkpoint_io(self):
+        """``HybridCheckpointIO``: HF exports gathered over tp, re-shardable DCP state."""
+        from .checkpoint_io.hybrid import HybridCheckpointIO
+        return HybridCheckpointIO(self)
 
 
 def _fp8_weights(model: nn.Module) -> list:

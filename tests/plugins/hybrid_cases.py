@@ -52,7 +52,7 @@ def opt_model(plugin):
 
 
 def run_parity(arch: str, tp: int, zero: int, sp: bool, precision: str, fp8: bool, comm: bool,
-               steps: int = 3, tie: bool = False) -> dict:
+               tie: bool = False, steps: int = 3) -> dict:
     """Train the hybrid plugin and a single-process reference; return their differences."""
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
@@ -97,4 +97,5 @@ def run_parity(arch: str, tp: int, zero: int, sp: bool, precision: str, fp8: boo
     return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_rel": float(num / den), "losses": losses, "ref_losses": ref_losses,
             "fp8_layers": plugin.tp_state.fp8_layers if plugin.tp_state else 0,
-            "partial": len(plugin.tp_state.partial_grads) if plugin.tp_state else 0}
+            "partial": len(plugin.tp_state.partial_grads) if plugin.tp_state else 0,
+            "fp8_gathers": plugin.tp_state.fp8_gathers if plugin.tp_state else 0}

@@ -33,6 +33,7 @@ LLAMA_CASES = [
     ("llama", 2, 2, False, "bf16", False, False),
     ("llama", 2, 1, True, "bf16", True, False),
     ("llama", 2, 2, True, "bf16", True, True),
+    ("llama", 2, 2, True, "bf16", True, False),  # twin of the one above, without FP8 comm
     ("llama", 4, 0, True, "bf16", True, True),
     ("llama", 2, 0, False, "bf16", True, True),
 ]
@@ -115,6 +116,16 @@ def test_hybrid_parity_4_ranks(fn, cases) -> None:
             assert res["fp8_layers"] == 14, (case, res)  # 7 linears x 2 layers, all in FP8
         # sequence parallel: 5 norms (2 per layer + the final one) get partial gradients
         assert res["partial"] == (5 if case[3] else 0), (case, res)
+        # SP + FP8 + FP8 comm: all 4 regions (attention, MLP x 2 layers) gather FP8 bytes
+        assert res["fp8_gathers"] == (4 if case[3] and case[5] and case[6] else 0), (case, res)
+    # The FP8 gather is bit-identical to casting the gathered BF16 tensor once: the same run
+    # with and without it (dp comm is too small to go FP8 here) gives identical losses.
+    by_case = {case: res for case, res in results[0]}
+    for case, res in results[0]:
+        if case[3] and case[5] and case[6]:
+            twin = by_case.get(case[:6] + (False,))
+            if twin is not None:
+                assert res["losses"] == twin["losses"], case
     for r in results[1:]:  # every rank saw the same global losses
         for (case, res), (_, res0) in zip(r, results[0]):
             assert res["losses"] == pytest.approx(res0["losses"], rel=1e-6), case

@@ -14,6 +14,7 @@ gradients: a gradient hook sums them over the tp group before they accumulate.
 """
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,11 +24,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fp8boost import _state
+
 from .functional import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq
 from .loss import HfVocabParallelLoss
 from .policy import TpPlan, check_plan
 
 __all__ = ["TpState", "apply_tp"]
+
+logger = logging.getLogger("fp8boost.parallel.tp")
+# Measured on 2xH200 NVLink (BENCHMARKS.md, bench/comm.py): FP8 reduce-scatter with its casts
+# ran at 0.21x (64 MB) to 0.52x (256 MB) of BF16; an SP region exit at 7B shapes moves 128 MB.
+HIGH_PRECISION_WHY = ("the region-exit reduce-scatter/all-reduce of partial sums and the "
+                      "backward collectives stay in the training dtype: FP8 reduce-scatter "
+                      "including its casts measured 0.21-0.52x of BF16 at 64-256 MB on 2xH200")
 
 
 @dataclass
@@ -45,6 +55,10 @@ class TpState:
     vocab_start: int = 0
     fp8_layers: int = 0
     """Fp8Linear layers among the split linears (their amaxes are reduced over tp)."""
+    fp8_gathers: int = 0
+    """Regions whose sequence-parallel all-gather moves FP8 bytes into their FP8 GEMMs."""
+    comm_report: dict[str, str] = field(default_factory=dict)
+    """Why each tp collective does or does not travel in FP8."""
 
     def is_sharded(self, name: str) -> bool:
         return name in self.shard_dims
@@ -74,8 +88,14 @@ def _map_output(out, fn):
     return fn(out)
 
 
-def _region_hooks(module: nn.Module, group, sp: bool) -> None:
-    enter = (lambda x: gather_seq(x, group)) if sp else (lambda x: copy_to_tp(x, group))
+def _region_hooks(module: nn.Module, group, sp: bool, fp8_layer=None) -> None:
+    if fp8_layer is not None:
+        from .fp8_gather import gather_seq_fp8
+
+        def enter(x):
+            return gather_seq_fp8(x, group, fp8_layer)
+    else:
+        enter = (lambda x: gather_seq(x, group)) if sp else (lambda x: copy_to_tp(x, group))
     leave = (lambda x: reduce_scatter_seq(x, group)) if sp else (lambda x: reduce_from_tp(x, group))
     module.register_forward_pre_hook(
         lambda m, args, kwargs: _replace_first(args, kwargs, "hidden_states", enter),
@@ -137,10 +157,14 @@ def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
 
 
 def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool = False,
-             ) -> TpState:
+             fp8_communication: bool = False) -> TpState:
     """Split ``model`` in place over the tensor-parallel ``group`` as ``plan`` says.
 
-    Every rank must hold the same full weights before the call (broadcast them first).
+    Every rank must hold the same full weights before the call (broadcast them first). With
+    ``sequence_parallel`` and ``fp8_communication``, a region whose column-parallel linears
+    are all tensorwise e4m3 ``Fp8Linear`` all-gathers its input as FP8 bytes that feed those
+    GEMMs directly (``fp8_gather.py``); why any other collective stays in the training dtype
+    is logged once and kept in ``TpState.comm_report``.
 
     Example:
         >>> from fp8boost.parallel.tp import apply_tp, hf_decoder_plan      # doctest: +SKIP
@@ -168,7 +192,19 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
         state.vocab_start = _parallel_lm_head(model, modules[plan.lm_head], group,
                                               sequence_parallel, n, r, done)
     for name in plan.regions:
-        _region_hooks(modules[name], group, sequence_parallel)
+        layer = None
+        if fp8_communication and sequence_parallel:
+            layer, why = _fp8_gather_consumer(name, plan, modules)
+            if layer is None:
+                state.comm_report[f"{name}.gather"] = why
+                _state.log_once(logger, ("tp-fp8-gather", why),
+                                f"fp8boost: a sequence-parallel all-gather stays in the training "
+                                f"dtype: {why}")
+            state.fp8_gathers += layer is not None
+        _region_hooks(modules[name], group, sequence_parallel, layer)
+    if fp8_communication:
+        state.comm_report["exits_and_backward"] = HIGH_PRECISION_WHY
+        _state.log_once(logger, ("tp-fp8-exit",), f"fp8boost: {HIGH_PRECISION_WHY}")
     if sequence_parallel and plan.layers:
         modules[plan.layers[0]].register_forward_pre_hook(
             lambda m, args, kwargs: _replace_first(args, kwargs, "hidden_states",
@@ -176,6 +212,24 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
             with_kwargs=True)
     _record_params(model, plan, state, done, sequence_parallel)
     return state
+
+
+def _fp8_gather_consumer(region: str, plan: TpPlan, modules: dict):
+    """(the Fp8Linear whose recipe casts the region's gathered input, None) or (None, why)."""
+    from fp8boost.fp8.linear import Fp8Linear
+    from fp8boost.fp8.scaling import E4M3
+
+    consumers = [modules[n] for n in plan.colwise if n.startswith(region + ".")]
+    if not consumers or not all(isinstance(m, Fp8Linear) for m in consumers):
+        return None, f"{region}'s column-parallel linears are not all Fp8Linear"
+    cfgs = {(m.fp8_config.fwd_dtype, m.fp8_config.margin, m.fp8_config.power_of_2_scale,
+             m.fp8_config.recipe, m.fp8_config.backend) for m in consumers}
+    fwd, _, _, recipe, _ = next(iter(cfgs))
+    if len(cfgs) > 1:
+        return None, f"{region}'s FP8 linears use different recipes"
+    if fwd != E4M3 or recipe == "delayed":
+        return None, f"{region}'s FP8 linears are not tensorwise e4m3 (recipe {recipe})"
+    return consumers[0], None
 
 
 def _record_params(model: nn.Module, plan: TpPlan, state: TpState, sharded: set,
