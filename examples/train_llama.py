@@ -1,11 +1,14 @@
-"""Train a Llama causal LM with fp8boost: one flag turns a BF16 run into an FP8 run.
+"""Train a causal LM (Llama by default) with fp8boost: one flag turns a BF16 run into FP8.
 
 Runs as plain python (one process, CPU or one GPU) or under torchrun (gloo on CPU, NCCL on
-GPU). The default is the ``tiny`` preset on the shipped text sample, which trains on a 2-core
-CPU in about a minute::
+GPU). The default is a Llama of the ``tiny`` preset on the shipped text sample, which trains
+on a 2-core CPU in about a minute::
 
     python examples/train_llama.py                                   # tiny, BF16, no plugin
     python examples/train_llama.py --use-fp8                         # same, FP8 GEMMs
+    python examples/train_llama.py --use-fp8 --model gpt2            # mistral, qwen2, gpt2
+    python examples/train_llama.py --use-fp8 --compile --activation-checkpointing
+    python examples/train_llama.py --use-fp8 --model-path DIR        # any local HF causal LM
     torchrun --nproc_per_node=2 examples/train_llama.py --plugin zero2 --use-fp8 --fp8-comm
     torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
         --use-fp8 --data ../shared/data/shakespeare.txt --save-every 200 --save-dir ckpt
@@ -17,7 +20,9 @@ Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``s
 ``run_config.json`` and ``loss.png`` (when matplotlib is installed). ``--plugin none`` uses
 ``Booster(mixed_precision=...)``; ``ddp`` / ``zero1`` / ``zero2`` / ``gemini`` / ``fsdp`` use
 ``TorchDDPPlugin`` / ``LowLevelZeroPlugin(stage=1|2)`` / ``GeminiPlugin`` (ZeRO-3 on FSDP2) /
-``TorchFSDPPlugin``. With ``gemini`` or ``fsdp``, ``--model-path`` builds the model on the meta
+``TorchFSDPPlugin``; ``hybrid`` uses ``HybridParallelPlugin`` (``--tp``, ``--sp``,
+``--zero``). ``--compile`` compiles each decoder block in place; ``--activation-checkpointing``
+recomputes each block in backward; both work with every plugin. With ``gemini`` or ``fsdp``, ``--model-path`` builds the model on the meta
 device and each rank reads only its shards of the checkpoint (no full copy per rank).
 """
 from __future__ import annotations
@@ -33,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,7 +54,12 @@ import data as data_lib  # noqa: E402
 import metrics as metrics_lib  # noqa: E402
 import presets  # noqa: E402
 
-PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp")
+PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid")
+# --model: HF families built from a size preset (random init); --model-path takes any causal LM.
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+# Warnings every rank would print identically: rank 0 alone says them.
+RANK0_WARNINGS = (r"fp8boost: FP8 tensor cores unavailable", r"fp8boost: no linear layer",
+                  r"fp8boost: use_fp8=True but no linear layer")
 SHARDED_PLUGINS = ("gemini", "fsdp")  # FSDP2: a --model-path model is loaded shard by shard
 PRECISIONS = ("bf16", "fp16", "fp32")
 PRETRAINED_DEFAULTS = dict(seq_len=512, batch_size=4, lr=1e-4, steps=1000)
@@ -59,9 +70,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", default="tiny", choices=list(presets.PRESETS))
+    g.add_argument("--preset", default="tiny", choices=list(presets.PRESETS),
+                   help="model size (hidden, layers, heads, FFN) for --model")
+    g.add_argument("--model", default=None, choices=MODEL_FAMILIES,
+                   help="HF model family built at --preset size with random weights "
+                        "(default: llama)")
     g.add_argument("--model-path", default=None,
-                   help="local pretrained Llama folder (config.json + *.safetensors)")
+                   help="local pretrained causal-LM folder of any transformers type "
+                        "(config.json + *.safetensors), instead of --model")
     g.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (default: the "
                    "model folder's tokenizer if it has one, else byte-level, vocab 256)")
     g.add_argument("--data", default=None, help="UTF-8 text file (default: shipped sample)")
@@ -78,6 +94,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="linear layers with fewer weight elements stay BF16 (default: the library's "
                         "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--tp", type=int, default=1, help="--plugin hybrid: tensor-parallel size")
+    g.add_argument("--sp", action="store_true",
+                   help="--plugin hybrid: sequence parallelism (norms/dropout split over tp)")
+    g.add_argument("--zero", type=int, default=1, choices=(0, 1, 2),
+                   help="--plugin hybrid: ZeRO stage over the data-parallel ranks")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder block (its first steps pay the compile)")
+    g.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend for --compile (aot_eager: fast to compile)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder block in backward: less memory, ~1/3 more "
+                        "compute")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps in total")
     g.add_argument("--batch-size", type=int, default=None, help="micro-batch size per rank")
@@ -99,6 +127,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--save-dir", default=None, help="default: <out-dir>/checkpoints")
     g.add_argument("--resume", default=None, help="checkpoint folder, or a save dir (latest)")
     args = p.parse_args(argv)
+    if args.model is not None and args.model_path is not None:
+        p.error("pass --model (a family built from --preset) or --model-path, not both")
+    if args.model is None and args.model_path is None:
+        args.model = "llama"
     defaults = PRETRAINED_DEFAULTS if args.model_path else presets.TRAIN_DEFAULTS[args.preset]
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -132,21 +164,61 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     if args.plugin == "none" and world_size > 1:
         raise ValueError(f"--plugin none trains in one process but WORLD_SIZE={world_size}; "
-                         "use --plugin ddp, zero1, zero2, gemini or fsdp under torchrun")
+                         "use --plugin ddp, zero1, zero2, gemini, fsdp or hybrid under torchrun")
     if args.plugin == "none" and args.fp8_comm:
         raise ValueError("--fp8-comm needs a distributed plugin: add --plugin "
-                         "ddp|zero1|zero2|gemini|fsdp")
+                         "ddp|zero1|zero2|gemini|fsdp|hybrid")
+    validate_hybrid_args(args, world_size)
     if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":
         raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is not a file")
     if args.model_path is not None:
-        presets.check_model_path(args.model_path)
+        check_model_folder(args.model_path)
     if args.resume is not None:
         check_resume(args)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+
+
+def validate_hybrid_args(args: argparse.Namespace, world_size: int) -> None:
+    """``--tp``/``--sp``/``--zero`` belong to ``--plugin hybrid``; tp must divide the ranks."""
+    if args.plugin != "hybrid":
+        given = [flag for flag, on in (("--tp", args.tp != 1), ("--sp", args.sp),
+                                       ("--zero", args.zero != 1)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure --plugin hybrid; add --plugin hybrid "
+                             f"(this run has --plugin {args.plugin})")
+        return
+    if args.tp < 1 or world_size % args.tp:
+        raise ValueError(f"--tp {args.tp} must be >= 1 and divide the number of ranks "
+                         f"({world_size}); launch with torchrun --nproc_per_node=<multiple of "
+                         "--tp>")
+    if args.sp and args.tp == 1:
+        raise ValueError("--sp splits sequences over the tensor-parallel ranks: it needs --tp >= 2")
+
+
+def check_model_folder(path: str) -> Path:
+    """A local pretrained folder: ``config.json`` of a transformers causal LM + safetensors.
+
+    Raises:
+        ValueError: the folder, its config or weights are missing, or its type is no causal LM.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"--model-path {path!r} is not a directory; pass a local folder "
+                         "with config.json and *.safetensors (downloads are not supported)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--model-path {path!r} has no config.json")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"--model-path {path!r} has no *.safetensors weights; save the model "
+                         "with save_pretrained(..., safe_serialization=True)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"--model-path holds a {model_type!r} model, which transformers' "
+                         "AutoModelForCausalLM does not build; pass a causal language model")
+    return folder
 
 
 def check_resume(args: argparse.Namespace) -> None:
@@ -155,7 +227,7 @@ def check_resume(args: argparse.Namespace) -> None:
     if state["step"] >= args.steps:
         raise ValueError(f"the checkpoint is at step {state['step']}, not before --steps "
                          f"{args.steps}; raise --steps to train further")
-    for key in ("preset", "model_path", "tokenizer"):
+    for key in ("preset", "model", "model_path", "tokenizer"):
         if key in state and state[key] != getattr(args, key):
             raise ValueError(f"the checkpoint was trained with --{key.replace('_', '-')} "
                              f"{state[key]}, this run has {getattr(args, key)}; pass the same")
@@ -164,6 +236,11 @@ def check_resume(args: argparse.Namespace) -> None:
 def rank_and_device(device_arg: str) -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment (0, 1 as plain python); the
     GPU is ``cuda:LOCAL_RANK`` when CUDA is used."""
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        # Checked before set_device, which fails with an AttributeError on a CPU-only torch.
+        raise ValueError("--device cuda but no CUDA device is visible (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+                         "use --device cpu or auto")
     use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -206,8 +283,20 @@ def make_booster(args: argparse.Namespace, device: torch.device):
     if args.plugin == "none":
         mp = MixedPrecision("fp8", fp8_config) if args.use_fp8 else args.precision
         return Booster(mixed_precision=mp, device=device)
+    return Booster(plugin=make_plugin(args, fp8_config), device=device)
+
+
+def make_plugin(args: argparse.Namespace, fp8_config):
+    """The fp8boost plugin for ``--plugin`` (not ``none``)."""
     from fp8boost.plugins import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
+    if args.plugin == "hybrid":
+        # Imported here: only hybrid runs need the tensor-parallel machinery.
+        from fp8boost.plugins.hybrid_parallel_plugin import HybridParallelPlugin
+        return HybridParallelPlugin(tp_size=args.tp, pp_size=1, zero_stage=args.zero,
+                                    enable_sequence_parallelism=args.sp,
+                                    precision=args.precision, use_fp8=args.use_fp8,
+                                    fp8_communication=args.fp8_comm, fp8_config=fp8_config)
     if args.plugin == "gemini":
         plugin = GeminiPlugin(precision=args.precision, use_fp8=args.use_fp8,
                               fp8_communication=args.fp8_comm, fp8_config=fp8_config,
@@ -222,7 +311,95 @@ def make_booster(args: argparse.Namespace, device: torch.device):
         plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
                                     precision=args.precision, use_fp8=args.use_fp8,
                                     fp8_communication=args.fp8_comm, fp8_config=fp8_config)
-    return Booster(plugin=plugin, device=device)
+    return plugin
+
+
+def family_config(family: str, preset: str, vocab_size: int, max_pos: int):
+    """The HF config of ``--model FAMILY`` at the ``--preset`` size (random init)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    size = presets.PRESETS[preset]
+    defaults = CONFIG_MAPPING[family]()
+    # Family defaults (e.g. GPT-2's token id 50256) can point past a small tokenizer's vocabulary.
+    ids = {key: None for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= vocab_size}
+    if family == "gpt2":  # GPT-2 names its sizes differently and has learned positions
+        config = AutoConfig.for_model(
+            "gpt2", n_embd=size["hidden_size"], n_layer=size["num_hidden_layers"],
+            n_head=size["num_attention_heads"], n_inner=size["intermediate_size"],
+            n_positions=max_pos, vocab_size=vocab_size, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, **ids)
+    else:
+        config = AutoConfig.for_model(family, **size, vocab_size=vocab_size,
+                                      max_position_embeddings=max_pos,
+                                      tie_word_embeddings=False, attention_dropout=0.0, **ids)
+    return config
+
+
+def build_model(args: argparse.Namespace, vocab_size: int, max_pos: int,
+                device: torch.device) -> torch.nn.Module:
+    """``--model`` at ``--preset`` size, or ``--model-path`` (structure only on meta)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.model == "llama":  # the presets' own builder: same weights as before --model
+        return presets.build_model(args.preset, vocab_size, max_pos, device=device,
+                                   seed=args.seed)
+    if args.model is not None:
+        torch.manual_seed(args.seed)  # every rank builds identical weights
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(
+                family_config(args.model, args.preset, vocab_size, max_pos))
+    folder = str(check_model_folder(args.model_path))
+    if device.type == "meta":  # weights come later, shard by shard (booster.load_model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(folder, local_files_only=True))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
+                                                     dtype=torch.float32).to(device)
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"the pretrained model's vocabulary ({model.config.vocab_size}) is "
+                         f"smaller than the tokenizer's ({vocab_size}); pass --tokenizer "
+                         "pointing at the model's own tokenizer folder")
+    return model
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: children of the first ``nn.ModuleList`` (HF: ``model.layers``,
+    GPT-2: ``transformer.h``)."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
+            return list(mod)
+    return []
+
+
+def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> int:
+    """``--activation-checkpointing`` and ``--compile``, before boost; returns blocks compiled.
+
+    ``Module.compile`` compiles in place (parameter names and the module tree stay, so plugins,
+    FP8 conversion and checkpoints see the same model) and lazily: the FP8 layers the plugin
+    swaps in during ``boost`` are what gets traced at the first step.
+    """
+    if args.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(model).__name__} does not support activation "
+                             "checkpointing in transformers; drop --activation-checkpointing")
+        # Non-reentrant: works with FSDP2, DDP and torch.compile.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # the name in newer transformers
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if not args.compile:
+        return 0
+    blocks = decoder_blocks(model)
+    if not blocks:
+        raise ValueError("--compile compiles each decoder block, but the model has no "
+                         "nn.ModuleList of blocks")
+    for block in blocks:
+        block.compile(backend=args.compile_backend)
+    return len(blocks)
 
 
 def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int,
@@ -399,16 +576,29 @@ class RunLogger:
         self.writer.close()
 
 
+def announce(logger: RunLogger, message: str) -> None:
+    """Print a line now, through the progress bar when there is one (so it stays intact)."""
+    bar = getattr(logger.progress, "bar", None)
+    if bar is not None:
+        bar.write(message)
+    else:
+        print(message, flush=True)
+
+
 def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
               args: argparse.Namespace, start_step: int) -> dict[str, Any]:
-    """``summary.json``: first/last losses (means of 10 steps), median speed, peak memory."""
+    """``summary.json``: first/last losses (means of up to 10 steps each, never overlapping),
+    median speed, peak memory."""
     times = logger.step_times[1:] or logger.step_times  # step 1 pays one-off warm-up costs
     median = statistics.median(times) if times else float("nan")
     tok_s = logger.tokens_per_step / median if times else float("nan")
+    # A run of <= 20 steps gets shorter windows: overlapping ones printed "loss a -> a".
+    window = max(1, min(10, len(logger.losses) // 2))
     summary = dict(
         steps_run=len(logger.losses), start_step=start_step, end_step=args.steps,
-        first_loss=statistics.fmean(logger.losses[:10]) if logger.losses else None,
-        last_loss=statistics.fmean(logger.losses[-10:]) if logger.losses else None,
+        loss_window=window,
+        first_loss=statistics.fmean(logger.losses[:window]) if logger.losses else None,
+        last_loss=statistics.fmean(logger.losses[-window:]) if logger.losses else None,
         val_loss=val_loss, median_step_time_s=median, tokens_per_s=tok_s,
         tokens_per_s_per_device=tok_s / logger.world_size,
         tflops_per_device=tok_s * logger.flops_per_token / logger.world_size / 1e12,
@@ -439,9 +629,9 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     # Sharded plugins build a pretrained model on the meta device: boost allocates only each
     # rank's shards and load_model reads only each rank's part of the checkpoint.
     lazy = args.model_path is not None and args.plugin in SHARDED_PLUGINS
-    model = presets.build_model(args.preset, tokenizer.vocab_size, max_pos,
-                                model_path=args.model_path,
-                                device=torch.device("meta") if lazy else device, seed=args.seed)
+    model = build_model(args, tokenizer.vocab_size, max_pos,
+                        torch.device("meta") if lazy else device)
+    prepare_model(model, args)
     # Count before boosting: plugins may wrap the model or flatten its parameters.
     n_params = sum(p.numel() for p in model.parameters())
     fpt = metrics_lib.flops_per_token(metrics_lib.matmul_params(model),
@@ -469,6 +659,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole training; returns the summary (rank 0's view; empty on other ranks)."""
     rank, world_size, device = rank_and_device(args.device)
     validate_args(args, world_size)
+    if rank != 0:
+        for message in RANK0_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
     if world_size > 1:  # plain python: the plugins start a one-process group themselves
         start_process_group(world_size, device)
     run = setup(args, rank, device)
@@ -478,7 +671,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(out_dir, args, world_size, device, run)
-        print(f"[train] {run.n_params / 1e6:.2f}M params, plugin={args.plugin} "
+        print(f"[train] {run.n_params / 1e6:.2f}M params, model={args.model or args.model_path} "
+              f"compile={args.compile} activation_checkpointing={args.activation_checkpointing} "
+              f"plugin={args.plugin} "
               f"precision={args.precision} fp8={args.use_fp8} fp8_comm={args.fp8_comm} "
               f"world_size={world_size} device={device} start_step={start_step} "
               f"out_dir={out_dir}", flush=True)
@@ -503,9 +698,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             state = dict(world_size=world_size, out_dir=str(out_dir), seed=args.seed,
                          tokens=step * logger.tokens_per_step, preset=args.preset,
-                         model_path=args.model_path, tokenizer=args.tokenizer)
-            checkpointing.save_checkpoint(run.booster, run.model, run.optimizer,
-                                          run.lr_scheduler, save_dir, step, state, rank, device)
+                         model=args.model, model_path=args.model_path,
+                         tokenizer=args.tokenizer)
+            saved = checkpointing.save_checkpoint(run.booster, run.model, run.optimizer,
+                                                  run.lr_scheduler, save_dir, step, state,
+                                                  rank, device)
+            if rank == 0:  # printed even with --no-progress: a user must know it exists
+                announce(logger, f"[train] step {step}: saved checkpoint {saved} "
+                                 f"(resume with --resume {save_dir})")
     if run.val_windows is not None and (not args.eval_every or args.steps % args.eval_every):
         val_loss = evaluate(run.model, run.val_windows, args, rank, world_size, device)
         logger.eval(args.steps, val_loss)
@@ -520,8 +720,13 @@ def finish(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
     title = f"{args.preset} {args.plugin} {'fp8' if args.use_fp8 else args.precision}"
     png = metrics_lib.plot_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss.png", title)
     val = f"{val_loss:.3f}" if val_loss is not None else "n/a"
-    print(f"[train] done: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
-          f"(mean of first/last 10 steps), validation {val}, "
+    if summary["steps_run"] < 2:
+        losses = f"loss {summary['last_loss']:.3f} ({summary['steps_run']} step)"
+    else:
+        window = summary["loss_window"]
+        losses = (f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} (mean of "
+                  f"first/last {window} step{'s' if window > 1 else ''})")
+    print(f"[train] done: {losses}, validation {val}, "
           f"{summary['tokens_per_s']:.0f} tokens/s, metrics in {out_dir}"
           + (f", plot {png}" if png else ""), flush=True)
     return summary

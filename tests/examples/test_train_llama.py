@@ -224,7 +224,7 @@ def test_bad_arguments_raise_before_any_work(ex, argv, match):
 
 
 def test_plugin_none_rejects_several_ranks(ex):
-    with pytest.raises(ValueError, match="--plugin ddp, zero1, zero2, gemini or fsdp"):
+    with pytest.raises(ValueError, match="--plugin ddp, zero1, zero2, gemini, fsdp or hybrid"):
         ex.train.validate_args(ex.train.parse_args([]), world_size=2)
 
 
