@@ -240,7 +240,9 @@ def _gather_dp(piece: torch.Tensor, shard, optimizer) -> torch.Tensor:
     """The tp-local tensor (``shard.shape``) from every dp rank's flat ZeRO chunk."""
     if optimizer.shard_world_size == 1:
         return piece.detach().reshape(shard.shape).clone()
-    buf = torch.zeros(shard.chunk, dtype=piece.dtype, device=piece.device)
+    # On the parameter's device: NCCL cannot gather CPU-offloaded chunks.
+    device = optimizer.params[shard.index].device
+    buf = torch.zeros(shard.chunk, dtype=piece.dtype, device=device)
     buf[: shard.length].copy_(piece.reshape(-1))
     parts = [torch.empty_like(buf) for _ in range(optimizer.shard_world_size)]
     dist.all_gather(parts, buf, group=optimizer.dp_group)
