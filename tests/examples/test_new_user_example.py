@@ -5,6 +5,8 @@ Each test failed before its fix. Runs are a few steps of tiny models on short se
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +118,19 @@ def test_two_ranks_print_the_emulated_backend_warning_once(tmp_path):
                 "--use-fp8", "--model", "qwen2", "--out-dir", str(tmp_path)], threads=1)
     assert out.count("FP8 tensor cores unavailable") == 1, out
     assert "done: loss" in out
+
+
+def test_readme_commands_work_from_a_fresh_clone(tl):
+    # Was: the scale-out command read ../shared/data/shakespeare.txt, absent from a clone.
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    commands = [c for b in blocks for c in b.replace("\\\n", " ").splitlines()
+                if "examples/train_llama.py" in c]
+    assert len(commands) >= 3
+    for command in commands:
+        words = shlex.split(command.split("#")[0])
+        assert not any(w.startswith("..") for w in words), command  # nothing outside the clone
+        nproc = [int(w.split("=")[1]) for w in words if w.startswith("--nproc_per_node=")]
+        argv = words[words.index("examples/train_llama.py") + 1:]
+        tl.validate_args(tl.parse_args(argv), nproc[0] if nproc else 1)
+    assert "GPU job" in readme  # the 7b-8l preset is said to need GPUs
