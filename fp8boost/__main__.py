@@ -6,8 +6,8 @@ their compute capability, and the FP8 backend ``Fp8Config(backend="auto")`` pick
 Example:
     >>> from fp8boost.__main__ import environment
     >>> env = environment()
-    >>> sorted(env)[:3]
-    ['accelerate', 'fp8_backend', 'fp8_backend_why']
+    >>> env["fp8_backend"] in ("triton", "cublas", "emulated")
+    True
 """
 from __future__ import annotations
 
