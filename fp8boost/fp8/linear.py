@@ -33,7 +33,7 @@ from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import Fp8Config
 from .prequantized import (Fp8WeightTensor, dequantize_weight, fp8_weight_operand,
-                           fp8_weight_transpose)
+                           fp8_weight_transpose, transpose_fp8)
 from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
 
 _ROLES = ("input", "weight", "grad")
@@ -222,8 +222,10 @@ class Fp8Linear(nn.Linear):
             why = self._carrier_mismatch(x2d)
             if why is None:
                 data = x2d._data.contiguous()
-                return Fp8Tensor(data, x2d._inv_scale,
-                                 data.t().contiguous() if with_transpose else None)
+                data_t = None
+                if with_transpose:
+                    data_t = x2d._data_t if x2d._data_t is not None else transpose_fp8(data)
+                return Fp8Tensor(data, x2d._inv_scale, data_t)
             _state.warn_once(("fp8-linear-prequantized-input", why),
                              f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 input: {why}")
             x2d = dequantize_weight(x2d)

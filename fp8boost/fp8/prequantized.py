@@ -57,7 +57,7 @@ class Fp8WeightTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype,
-                requires_grad: bool = False):
+                requires_grad: bool = False, data_t: Optional[torch.Tensor] = None):
         if data.dtype not in FP8_DTYPES:
             raise TypeError(f"Fp8WeightTensor needs FP8 data, got {data.dtype}")
         return torch.Tensor._make_wrapper_subclass(
@@ -65,9 +65,12 @@ class Fp8WeightTensor(torch.Tensor):
             dtype=dtype, layout=data.layout, device=data.device, requires_grad=requires_grad)
 
     def __init__(self, data: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype,
-                 requires_grad: bool = False) -> None:
+                 requires_grad: bool = False, data_t: Optional[torch.Tensor] = None) -> None:
         self._data = data
         self._inv_scale = inv_scale
+        # Optional [K, M] transpose of the data viewed as [M, K] (K = the last dim), made once
+        # by the producer and shared by every consumer (an activation feeding q, k and v).
+        self._data_t = data_t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -84,10 +87,14 @@ class Fp8WeightTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEW_OPS:
             src = args[0]
-            return cls(func(src._data, *args[1:], **kwargs), src._inv_scale, src.dtype)
+            data = func(src._data, *args[1:], **kwargs)
+            keep_t = src._data_t is not None and func is not aten.as_strided.default \
+                and data.dim() > 0 and data.shape[-1] == src._data.shape[-1]
+            return cls(data, src._inv_scale, src.dtype, data_t=src._data_t if keep_t else None)
         if func is aten.clone.default:
             src = args[0]
-            return cls(src._data.clone(), src._inv_scale.clone(), src.dtype)
+            data_t = src._data_t.clone() if src._data_t is not None else None
+            return cls(src._data.clone(), src._inv_scale.clone(), src.dtype, data_t=data_t)
         _reject_writes(func, args, kwargs)
         # Anything else reads the weight: give it the exact dequantized value, never FP8 bytes
         # reinterpreted, and say once per op that this costs a dequantize.
@@ -99,11 +106,13 @@ class Fp8WeightTensor(torch.Tensor):
         return func(*args, **kwargs)
 
     def __tensor_flatten__(self):
-        return ["_data", "_inv_scale"], {"dtype": self.dtype}
+        inner = ["_data", "_inv_scale"] + (["_data_t"] if self._data_t is not None else [])
+        return inner, {"dtype": self.dtype}
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: dict, outer_size, outer_stride):
-        return Fp8WeightTensor(inner["_data"], inner["_inv_scale"], meta["dtype"])
+        return Fp8WeightTensor(inner["_data"], inner["_inv_scale"], meta["dtype"],
+                               data_t=inner.get("_data_t"))
 
 
 # Module-level functions, not methods: torch.compile treats a method call on a tensor (subclass)
@@ -118,6 +127,20 @@ def fp8_weight_operand(w: Fp8WeightTensor, with_transpose: bool = False) -> Fp8T
 def fp8_weight_transpose(w: Fp8WeightTensor) -> torch.Tensor:
     """``data^T`` [K, N], contiguous: the K-major weight operand of dgrad (1 byte/element)."""
     return w._data.t().contiguous()
+
+
+def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
+    """``data.t().contiguous()`` for a 2-D FP8 tensor; a tiled Triton kernel on CUDA in eager
+    mode (torch's strided byte copy is far below bandwidth), the torch op otherwise (inductor
+    tiles it itself under ``torch.compile``)."""
+    compiling = bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+    if data.is_cuda and not compiling and data.is_contiguous():
+        try:
+            from .kernels.transpose import transpose_bytes
+        except ImportError:  # no triton: the plain op is still correct
+            return data.t().contiguous()
+        return transpose_bytes(data.view(torch.uint8)).view(data.dtype)
+    return data.t().contiguous()
 
 
 def dequantize_weight(w: Fp8WeightTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

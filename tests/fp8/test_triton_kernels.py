@@ -136,6 +136,16 @@ class TestInterpreter:
         _assert_cast_exact(r, x, dtype, scale=scale)
         assert _bits(r.data).eq(_bits(torch.tensor(scaling.fp8_max(dtype)).to(dtype))).any()
 
+    def test_transpose_bytes_ragged(self, interp):
+        from fp8boost.fp8.kernels.transpose import transpose_bytes
+
+        g = torch.Generator().manual_seed(3)
+        for shape in ((100, 70), (64, 128), (1, 5)):
+            x = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+            assert torch.equal(transpose_bytes(x), x.t().contiguous()), shape
+        f8 = torch.randn(65, 33, generator=g).to(E4M3)
+        assert torch.equal(_bits(transpose_bytes(f8.view(torch.uint8))), _bits(f8.t().contiguous()))
+
     def test_cast_edge_values(self, interp):
         cast = interp[0]
         zeros = torch.zeros(9, 17, dtype=torch.bfloat16)

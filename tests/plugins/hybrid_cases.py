@@ -52,7 +52,8 @@ def opt_model(plugin):
 
 
 def run_parity(arch: str, tp: int, zero: int, sp: bool, precision: str, fp8: bool, comm: bool,
-               tie: bool = False, steps: int = 3) -> dict:
+               tie: bool = False, steps: int = 3, device: str = "cpu",
+               backend: str = "emulated") -> dict:
     """Train the hybrid plugin and a single-process reference; return their differences."""
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
@@ -60,23 +61,24 @@ def run_parity(arch: str, tp: int, zero: int, sp: bool, precision: str, fp8: boo
     from fp8boost.plugins import HybridParallelPlugin
     from fp8boost.plugins.precision import prepare_model
 
-    cfg = Fp8Config(backend="emulated", min_numel=0)
+    cfg = Fp8Config(backend=backend, min_numel=0)
+    dev = torch.device(device)
     model = tiny_model(arch, tie=tie)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     plugin = HybridParallelPlugin(tp_size=tp, zero_stage=zero, enable_sequence_parallelism=sp,
                                   precision=precision, use_fp8=fp8, fp8_communication=comm,
                                   fp8_config=cfg, max_norm=1.0)
-    booster = Booster(plugin=plugin)
+    booster = Booster(plugin=plugin, device=dev)
     wrapped, opt, *_ = booster.boost(model, opt)
     plugin._test_model = model
-    prepare_model(ref, precision, fp8, cfg, torch.device("cpu"))
+    prepare_model(ref, precision, fp8, cfg, dev)
     ref_opt = ZeroOptimizer(torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9), max_norm=1.0)
     init = {n: p.detach().float().clone() for n, p in ref.named_parameters()}
     dp, dpr = plugin.dp_size, plugin.dp_rank
     losses, ref_losses = [], []
     for s in range(steps):
-        ids = global_batch(s)
+        ids = global_batch(s).to(dev)
         local = ids.chunk(dp)[dpr]
         loss = wrapped(input_ids=local, labels=local).loss
         booster.backward(loss, opt)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fp8boost.fp8.prequantized import Fp8WeightTensor
+from fp8boost.fp8.prequantized import Fp8WeightTensor, transpose_fp8
 from fp8boost.fp8.scaling import E4M3, amax, scale_from_amax
 
 from .functional import all_gather_dim, reduce_scatter_dim
@@ -34,7 +34,11 @@ class _GatherSeqFp8(torch.autograd.Function):
         local = q.data.view(torch.uint8).view(x.shape)  # gloo and NCCL have no FP8 type
         full = all_gather_dim(local, dim, group).contiguous().view(E4M3)
         ctx.dim, ctx.group = dim, group
-        return Fp8WeightTensor(full, q.inv_scale, x.dtype)
+        data_t = None
+        if ctx.needs_input_grad[0] and layer.weight.requires_grad:
+            # The wgrad operand, made once here and shared by every consumer (q, k and v).
+            data_t = transpose_fp8(full.view(-1, full.shape[-1]))
+        return Fp8WeightTensor(full, q.inv_scale, x.dtype, data_t=data_t)
 
     @staticmethod
     def backward(ctx, dy):
