@@ -14,12 +14,14 @@ tensor parallel split -> ZeRO over dp.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8boost import _state
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.parallel.zero import ZeroOptimizer
 
@@ -141,6 +143,7 @@ class HybridParallelPlugin(Plugin):
         self.initial_scale, self.growth_interval = float(initial_scale), growth_interval
         self.fp8_report = None
         self.tp_state = None
+        self.tp_within_node = True
 
     def _check_sp(self, enabled: bool, mode: Optional[str]) -> Optional[str]:
         if not enabled:
@@ -201,6 +204,14 @@ class HybridParallelPlugin(Plugin):
         if dims.world_size > 1:
             _broadcast_module(model)
         tp_group = topo.group("tp")
+        self.tp_within_node = tp_within_node(self.tp_size, dims.world_size)
+        if not self.tp_within_node:
+            _state.warn_once(("hybrid-tp-across-nodes", self.tp_size),
+                             f"HybridParallelPlugin: tp_size={self.tp_size} does not divide the "
+                             f"{os.environ.get('LOCAL_WORLD_SIZE')} processes per node torchrun "
+                             "started, so tensor-parallel groups span nodes and every layer's "
+                             "collectives cross the network: choose a tp_size that divides the "
+                             "GPUs per node")
         if plan is not None:
             self.tp_state = apply_tp(model, plan, tp_group,
                                      sequence_parallel=self.enable_sequence_parallelism,
@@ -209,6 +220,7 @@ class HybridParallelPlugin(Plugin):
         opt = self._wrap_optimizer(model, optimizer, topo) if optimizer is not None else None
         if opt is not None:
             opt.bind_fp8_layers(model)
+        self._boosted_module, self._boosted_optimizer = model, opt  # for save_optimizer
         wrapped = ModelWrapper(model, DTYPES[self.precision])
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, dims.dp, self.dp_rank)
@@ -231,6 +243,22 @@ class HybridParallelPlugin(Plugin):
         """``HybridCheckpointIO``: HF exports gathered over tp, re-shardable DCP state."""
         from .checkpoint_io.hybrid import HybridCheckpointIO
         return HybridCheckpointIO(self)
+
+
+def tp_within_node(tp: int, world_size: int, env: Optional[dict] = None) -> bool:
+    """Whether every tensor-parallel group stays inside one node.
+
+    Ranks are laid out tp-innermost (``parallel/mesh.py``), so a tp group is ``tp`` consecutive
+    ranks; torchrun numbers ranks node by node with ``LOCAL_WORLD_SIZE`` per node. The groups
+    stay inside nodes when ``tp`` divides ``LOCAL_WORLD_SIZE`` (absent: one node).
+
+    Example:
+        >>> tp_within_node(2, 4, {"LOCAL_WORLD_SIZE": "2"}), tp_within_node(4, 4, {"LOCAL_WORLD_SIZE": "2"})
+        (True, False)
+    """
+    env = os.environ if env is None else env
+    local = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    return local % tp == 0
 
 
 def _fp8_weights(model: nn.Module) -> list:

@@ -42,6 +42,7 @@ from .base import STATE_MARKER, CheckpointIO
 
 STATE_DIR = "dcp"
 STATE_INDEX = "hybrid_state.json"
+OPTIM_MARKER = "fp8boost_hybrid_optimizer.json"
 
 
 # ------------------------------------------------------------------------------ layout
@@ -381,12 +382,36 @@ class HybridCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------------ optimizer
     def save_optimizer(self, optimizer, path: str) -> None:
-        raise ValueError("HybridParallelPlugin keys optimizer state by parameter name, which "
-                         "needs the model: use booster.save_checkpoint(path, model, optimizer)")
+        """Optimizer state alone (DCP, keyed by parameter name: loads into any tp x dp x stage).
+
+        The names come from the model this plugin boosted together with ``optimizer``.
+        """
+        module = self._module_of(optimizer)
+        cio._check_optimizer(optimizer)
+        _check_target(path, (OPTIM_MARKER,))
+
+        def write(tmp: str) -> None:
+            self._write_state(tmp, module, optimizer, None, with_model=False)
+            if cio._rank(self.group) == 0:
+                with open(os.path.join(tmp, OPTIM_MARKER), "w") as f:
+                    json.dump({"format": self.state_format}, f)
+
+        cio.atomic_save_dir(path, self.group, write, (OPTIM_MARKER,))
 
     def load_optimizer(self, optimizer, path: str) -> None:
-        raise ValueError("HybridParallelPlugin keys optimizer state by parameter name, which "
-                         "needs the model: use booster.load_checkpoint(path, model, optimizer)")
+        """Load a ``save_optimizer`` directory (written at any tp x dp x stage)."""
+        module = self._module_of(optimizer)
+        cio._check_optimizer(optimizer)
+        cio._require(os.fspath(path), "hybrid optimizer", OPTIM_MARKER)
+        self._read_state(os.fspath(path), module, optimizer, with_model=False)
+
+    def _module_of(self, optimizer):
+        module = getattr(self.plugin, "_boosted_module", None)
+        if module is None or getattr(self.plugin, "_boosted_optimizer", None) is not optimizer:
+            raise ValueError("save_optimizer/load_optimizer need the optimizer returned by this "
+                             "plugin's boost() (its parameter names come from the model boosted "
+                             "with it); or use booster.save_checkpoint(path, model, optimizer)")
+        return module
 
     # ---------------------------------------------------------------- resumable state
     def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
@@ -406,12 +431,13 @@ class HybridCheckpointIO(CheckpointIO):
             cio._check_optimizer(optimizer)
         return super().load_checkpoint(path, model, optimizer, lr_scheduler)
 
-    def _write_state(self, tmp: str, model, optimizer, lr_scheduler) -> None:
+    def _write_state(self, tmp: str, model, optimizer, lr_scheduler,
+                     with_model: bool = True) -> None:
         import torch.distributed.checkpoint as dcp
 
         module = self.plugin.unwrap_model(model)
         placer = _Placer(self.plugin)
-        state = _model_state(module, placer)
+        state = _model_state(module, placer) if with_model else {}
         index: dict = {"tp": placer.size, "dp": self.plugin.dp_size}
         if optimizer is not None:
             tensors, index["optim"] = _optimizer_state(optimizer, _param_names(module), placer)
@@ -423,7 +449,7 @@ class HybridCheckpointIO(CheckpointIO):
             with open(os.path.join(tmp, STATE_INDEX), "w") as f:
                 json.dump(index, f, indent=1)
 
-    def _read_state(self, path: str, model, optimizer) -> None:
+    def _read_state(self, path: str, model, optimizer, with_model: bool = True) -> None:
         import torch.distributed.checkpoint as dcp
 
         with open(os.path.join(path, STATE_INDEX)) as f:
@@ -434,12 +460,15 @@ class HybridCheckpointIO(CheckpointIO):
         module = self.plugin.unwrap_model(model)
         placer = _Placer(self.plugin)
         state = _templates(module, optimizer, index, placer)
+        if not with_model:
+            state = {k: v for k, v in state.items() if not k.startswith("model/")}
         _check_against_metadata(state, os.path.join(path, STATE_DIR))  # before collectives
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(path, STATE_DIR)),
                  process_group=self.group)
         model_part = {k[len("model/"):]: _local(t) for k, t in state.items()
                       if k.startswith("model/")}
-        module.load_state_dict(model_part, strict=False)  # tied keys were saved once
-        self.plugin.after_load_model(model)  # masters of parameters without saved state
+        if with_model:
+            module.load_state_dict(model_part, strict=False)  # tied keys were saved once
+            self.plugin.after_load_model(model)  # masters of parameters without saved state
         if optimizer is not None:
             _load_optimizer_state(optimizer, module, state, index["optim"])
