@@ -186,6 +186,7 @@ class Fp8Linear(nn.Linear):
             for state in self._delayed.values():
                 state.initialized = True
         self._w_cache = None
+        self._pre_w = None  # a prequantized operand describes the weight before this load
 
     def _resolve_backend(self, device: torch.device) -> None:
         if self._fp8_backend is None or self._backend_device != device:
@@ -272,7 +273,10 @@ class Fp8Linear(nn.Linear):
         forwards skip the weight's amax and cast. The operand is keyed on ``self.weight``'s
         storage and version and on the optimizer step epoch at the time of this call: any later
         write to the weight, a new weight tensor or an optimizer step drops it (warned once) and
-        the layer casts the weight itself again. ``None`` drops it now.
+        the layer casts the weight itself again. ``None`` drops it now. Under ``torch.compile``
+        the key cannot be read without a graph break, so the operand is used as is until the
+        producer re-sets or drops it or ``load_state_dict`` runs: a producer must re-set it
+        whenever it changes the weight (ZeRO's all-gather does, after every step).
 
         Args:
             data_fp8: ``[out_features, in_features]`` contiguous tensor in the forward FP8
@@ -308,9 +312,12 @@ class Fp8Linear(nn.Linear):
                                   with_transpose=with_transpose)
         pre = self.__dict__.get("_pre_w")  # from set_prequantized_weight
         if pre is not None:
-            why = "torch.compile (the validity key reads version counters)" if _compiling() else (
-                None if pre[0] == (w.data_ptr(), w._version, _state.step_epoch()) else
-                "the weight was written or an optimizer step ran since it was set")
+            # Under torch.compile the key (version counters, the step epoch) cannot be read
+            # without a graph break, so a set operand is trusted as is: its producer re-sets it
+            # after every optimizer step, and load_state_dict drops it (eager runs check it).
+            why = None if _compiling() or \
+                pre[0] == (w.data_ptr(), w._version, _state.step_epoch()) else \
+                "the weight was written or an optimizer step ran since it was set"
             if why is None:
                 if with_transpose and pre[3][0] is None:
                     pre[3][0] = pre[1].t().contiguous()  # dgrad's K-major copy, made once
@@ -318,8 +325,7 @@ class Fp8Linear(nn.Linear):
             _state.warn_once(("fp8-linear-prequantized-dropped", why),
                              f"fp8boost: Fp8Linear casts its weight itself instead of using the "
                              f"prequantized FP8 weight: {why}")
-            if not _compiling():
-                self._pre_w = None
+            self._pre_w = None
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
         key = None
         if use_cache:

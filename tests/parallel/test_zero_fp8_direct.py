@@ -200,3 +200,33 @@ def _worker(rank: int, world: int) -> dict:
 def test_zero_fp8_gather_feeds_the_gemm_directly():
     results = run_distributed(_worker, 2, timeout=300)
     print("zero fp8 direct parity (loss, weights):", results[0])
+
+
+def test_compiled_layer_uses_the_prequantized_weight_without_a_graph_break():
+    """Under torch.compile the validity key is not readable: the set bytes are used as is (no
+    graph break, no self-cast), and ``load_state_dict`` drops them."""
+    import torch._dynamo
+
+    from fp8boost.fp8 import Fp8Linear
+    cfg, _ = _cfgs()
+    torch.manual_seed(0)
+    layer = Fp8Linear(32, 16, config=cfg)
+    # Bytes of a *different* weight (2x): the output tells which operand the GEMM read.
+    w8 = (2 * layer.weight.detach() * 8).clamp(-448, 448).to(E4M3)
+    inv = torch.tensor(1 / 8)
+    x = torch.randn(4, 32)
+    layer.set_prequantized_weight(w8, inv)
+    eager_pre = layer(x).detach()
+    layer.set_prequantized_weight(w8, inv)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # raises on a break
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fp8boost")  # no "casts its weight itself"
+        got = compiled(x).detach()
+    assert torch.equal(got, eager_pre)
+    plain = layer.__class__(32, 16, config=cfg)
+    plain.load_state_dict(layer.state_dict())
+    assert not torch.equal(got, plain(x).detach())  # the 2x bytes were read, not the weight
+    layer.load_state_dict(layer.state_dict())
+    assert layer.__dict__.get("_pre_w") is None
+    torch._dynamo.reset()
