@@ -1,0 +1,226 @@
+"""Run one pipeline step: micro-batches through ``torch.distributed.pipelining`` schedules.
+
+:class:`PipelineRunner` owns this rank's :class:`~.split.DecoderStage` modules and builds, per
+batch shape, the ``PipelineStage`` objects (with static input/output metadata, so torch never
+runs a shape-inference forward through FP8 layers) and the schedule:
+
+* ``"1f1b"``: ``Schedule1F1B``; ``"interleaved"``: ``ScheduleInterleaved1F1B``;
+  ``"zbv"``: ``ScheduleZBVZeroBubble`` (backward split into input and weight passes).
+
+Gradients: the schedules sum micro-batch gradients; the runner divides every local parameter's
+gradient by the micro-batch count once (``scale_grads=False`` in torch: its per-stage scaling
+would divide a weight shared by two local stages twice, e.g. tied embeddings in a V), so a
+criterion that averages over its micro-batch gives the gradient of the batch mean.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .layout import PipelineLayout
+from .split import DecoderStage
+
+__all__ = ["PipelineRunner", "microbatch_count"]
+
+
+def microbatch_count(batch_size: int, num_microbatches: Optional[int],
+                     microbatch_size: Optional[int]) -> int:
+    """Micro-batches for a batch of ``batch_size`` rows; raises ``ValueError`` if it does not divide."""
+    if num_microbatches is not None:
+        if batch_size % num_microbatches:
+            raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches="
+                             f"{num_microbatches}: use a batch size that is a multiple of it")
+        return num_microbatches
+    if batch_size % microbatch_size:
+        raise ValueError(f"batch size {batch_size} is not divisible by microbatch_size="
+                         f"{microbatch_size}: use a batch size that is a multiple of it")
+    return batch_size // microbatch_size
+
+
+class _CausalLMOutput(dict):
+    """What a criterion gets as ``outputs``: ``outputs.logits`` / ``outputs["logits"]``."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class PipelineRunner:
+    """Runs micro-batched forward (+ backward) passes of this rank's pipeline stages.
+
+    Args:
+        modules: this rank's stages (ascending index), from ``build_stage_modules``.
+        layout: the pipeline layout.
+        group: the pipeline process group (ranks of one replica's stages, in stage order).
+        device: where the stages run.
+        vocab_local: logits width on the last stage (vocabulary / tp).
+        num_microbatches, microbatch_size: one of them (the other None).
+    """
+
+    def __init__(self, modules: list[DecoderStage], layout: PipelineLayout, group,
+                 device: torch.device, *, vocab_local: int,
+                 num_microbatches: Optional[int] = None,
+                 microbatch_size: Optional[int] = None) -> None:
+        self.modules, self.layout, self.group = modules, layout, group
+        self.device, self.vocab_local = torch.device(device), vocab_local
+        self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
+        self.rank = dist.get_rank(group)
+        self.has_first = modules[0].index == 0
+        self.has_last = modules[-1].index == layout.num_stages - 1
+        self._schedules: dict[tuple, object] = {}
+        self._call: dict = {}
+        params, seen = [], set()
+        for m in modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.params = params
+
+    # ------------------------------------------------------------------------- schedules
+    def _meta(self, shape, dtype) -> torch.Tensor:
+        # Floating boundary tensors carry gradients: torch >= 2.13 reads requires_grad from
+        # these static metadata to decide whether the received buffer gets a gradient.
+        return torch.empty(shape, dtype=dtype, device="meta",
+                           requires_grad=dtype.is_floating_point)
+
+    def _stage(self, m: DecoderStage, mb: int, seq: int):
+        from torch.distributed.pipelining import PipelineStage
+
+        b = m.boundaries
+        if m.index == 0:
+            inp = self._meta((mb, seq), torch.long)
+        else:
+            inp = self._meta(*b.wire_meta(m.index - 1, m.act_shape(mb, seq), m.act_dtype))
+        if m.index == self.layout.num_stages - 1:
+            out = self._meta((mb, seq, self.vocab_local), m.act_dtype)
+        else:
+            out = self._meta(*b.wire_meta(m.index, m.act_shape(mb, seq), m.act_dtype))
+        return PipelineStage(m, m.index, self.layout.num_stages, self.device, input_args=(inp,),
+                             output_args=(out,), group=self.group)
+
+    def schedule(self, n: int, mb: int, seq: int):
+        """The schedule for ``n`` micro-batches of ``[mb, seq]`` tokens (built once per shape)."""
+        key = (n, mb, seq)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import (Schedule1F1B, ScheduleInterleaved1F1B,
+                                                      ScheduleZBVZeroBubble)
+
+            stages = [self._stage(m, mb, seq) for m in self.modules]
+            kw = dict(loss_fn=self._loss_fn, scale_grads=False)
+            if self.layout.style == "1f1b":
+                sched = Schedule1F1B(stages[0], n, **kw)
+            elif self.layout.style == "interleaved":
+                sched = ScheduleInterleaved1F1B(stages, n, **kw)
+            else:
+                sched = ScheduleZBVZeroBubble(stages, n, **kw)
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------------------ step
+    def _loss_fn(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        call = self._call
+        batch, size = call["batch"], call["size"]
+        # The schedule splits ``target`` like the inputs: ``rows`` are this micro-batch's rows
+        # of the batch, so the criterion sees the micro-batch's own dict of inputs.
+        inputs = {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == size else v
+                  for k, v in batch.items()}
+        loss = call["criterion"](_CausalLMOutput(logits=output), inputs)
+        call["losses"].append(loss.detach().float())
+        return loss * call["loss_scale"] if call["loss_scale"] != 1.0 else loss
+
+    def run(self, batch: dict, criterion: Callable, *, backward: bool,
+            return_outputs: bool = False, loss_scale: float = 1.0) -> tuple:
+        """One step over ``batch``; returns ``(mean loss or None, outputs or None)``.
+
+        The loss and outputs are those of the last stage (None on other ranks). With
+        ``backward`` the parameters of this rank's stages hold the gradient of the mean loss.
+        """
+        ids = batch["input_ids"]
+        size, seq = ids.shape
+        n = microbatch_count(size, self.num_microbatches, self.microbatch_size)
+        sched = self.schedule(n, size // n, seq) if backward else None
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand(size, seq)
+        kwargs = {"position_ids": pos}
+        if batch.get("attention_mask") is not None:
+            kwargs["attention_mask"] = batch["attention_mask"]
+        args = (ids,) if self.has_first else ()
+        target = torch.arange(size, device=ids.device) if self.has_last else None
+        self._call = {"batch": batch, "size": size, "criterion": criterion, "losses": [],
+                      "loss_scale": float(loss_scale)}
+        if not backward:
+            try:
+                return self._forward_only(args, kwargs, target, n, return_outputs)
+            finally:
+                self._call = {}
+        try:
+            out = sched.step(*args, target=target, return_outputs=return_outputs, **kwargs)
+            losses = self._call["losses"]
+        finally:
+            self._call = {}
+        if backward and n > 1:
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.div_(n)
+        loss = torch.stack(losses).mean() if self.has_last and losses else None
+        return loss, (out if self.has_last and return_outputs else None)
+
+    def _forward_only(self, args, kwargs, target, n: int, return_outputs: bool) -> tuple:
+        """Evaluation: every micro-batch through the stages in order, no schedule, no graph.
+
+        Each rank runs its stages in ascending order, all micro-batches of one stage before the
+        next, with blocking send/recv in that same order on both ends, so it cannot deadlock
+        for any stage-to-rank mapping (torch 2.13's ``eval()`` of the ZB-V schedule still
+        tries to pass gradients between its local stages).
+        """
+        split = lambda t: list(torch.tensor_split(t, n))  # noqa: E731
+        args_mb = [split(a) for a in args]
+        kw_mb = {k: split(v) for k, v in kwargs.items()}
+        rows = split(target) if target is not None else None
+        local: dict[tuple, torch.Tensor] = {}
+        outputs = []
+        with torch.no_grad():
+            for m in self.modules:
+                for i in range(n):
+                    kw = {k: v[i] for k, v in kw_mb.items()}
+                    inp = (args_mb[0][i],) if m.index == 0 else (self._receive(m, i, local, kw),)
+                    out = m(*inp, **kw)
+                    if m.index == self.layout.num_stages - 1:
+                        self._loss_fn(out, rows[i])
+                        if return_outputs:
+                            outputs.append(out)
+                    elif self.layout.rank_of(m.index + 1) == self.rank:
+                        local[(m.index + 1, i)] = out
+                    else:
+                        peer = self.layout.rank_of(m.index + 1)
+                        dist.send(out.contiguous(), dist.get_global_rank(self.group, peer),
+                                  group=self.group)
+        losses = self._call["losses"]
+        loss = torch.stack(losses).mean() if self.has_last and losses else None
+        return loss, (torch.cat(outputs) if outputs else None)
+
+    def _receive(self, m: DecoderStage, i: int, local: dict, kw: dict) -> torch.Tensor:
+        if (m.index, i) in local:
+            return local.pop((m.index, i))
+        mb, seq = kw["position_ids"].shape
+        shape, dtype = m.boundaries.wire_meta(m.index - 1, m.act_shape(mb, seq), m.act_dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        peer = self.layout.rank_of(m.index - 1)
+        dist.recv(buf, dist.get_global_rank(self.group, peer), group=self.group)
+        return buf
+
+    def broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """The last stage's loss on every rank of the pipeline group (one tiny broadcast)."""
+        buf = loss.detach().float().clone() if loss is not None else \
+            torch.zeros((), dtype=torch.float32, device=self.device)
+        buf = buf.to(self.device)
+        dist.broadcast(buf, dist.get_global_rank(self.group, self.layout.last_rank),
+                       group=self.group)
+        return buf

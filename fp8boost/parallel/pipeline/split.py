@@ -1,0 +1,154 @@
+"""Split an HF decoder causal LM (Llama / Mistral / Qwen2 structure) into pipeline stages.
+
+The model must have ``model.model.{embed_tokens, layers, norm, rotary_emb}`` and
+``model.lm_head``. ``torch.distributed.pipelining``'s tracer fails on HF models with rotary
+embeddings, so the split is done by hand, in two steps:
+
+1. :func:`strip_to_rank` removes from the user's model everything this pipeline rank does not
+   run (decoder layers of other stages; the embeddings unless it holds the first stage; the
+   final norm and ``lm_head`` unless it holds the last). ``model.model.layers`` becomes an
+   ``nn.ModuleDict`` keyed by the *global* layer index, so parameter names stay the HF names
+   (``model.layers.5.mlp.up_proj.weight``) and kept ``Parameter`` objects keep their identity.
+2. After FP8 conversion and the tensor-parallel split, :func:`build_stage_modules` wraps the
+   kept parts in one :class:`DecoderStage` per stage (they reference the model's modules).
+
+Example:
+    >>> from fp8boost.parallel.pipeline import make_layout, strip_to_rank   # doctest: +SKIP
+    >>> layout = make_layout(model.config.num_hidden_layers, pp=2)         # doctest: +SKIP
+    >>> strip_to_rank(model, layout, rank=pp_rank)                          # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .boundary import BoundaryPlan
+from .layout import PipelineLayout
+
+__all__ = ["DecoderStage", "check_pipeline_model", "strip_to_rank", "build_stage_modules",
+           "tied_embedding"]
+
+
+def check_pipeline_model(model: nn.Module) -> int:
+    """Raise ``ValueError`` unless ``model`` has the HF decoder structure; returns its layer count."""
+    base = getattr(model, "model", None)
+    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb")
+               if not isinstance(getattr(base, n, None), nn.Module)]
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        missing.append("lm_head")
+    if base is None or missing or not isinstance(base.layers, nn.ModuleList):
+        raise ValueError(
+            f"pipeline parallelism splits HF decoder causal LMs structured like Llama, Mistral "
+            f"and Qwen2 (model.model.embed_tokens/layers/norm/rotary_emb and model.lm_head); "
+            f"{type(model).__name__} lacks {missing or ['a ModuleList at model.model.layers']}")
+    return len(base.layers)
+
+
+def tied_embedding(model: nn.Module) -> bool:
+    """Whether ``lm_head`` shares its weight with the input embedding (before any split)."""
+    return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def strip_to_rank(model: nn.Module, layout: PipelineLayout, rank: int) -> None:
+    """Remove from ``model`` (in place) every part that pipeline ``rank`` does not run."""
+    base = model.model
+    stages = layout.stages_of(rank)
+    keep = sorted(i for s in stages for i in layout.layers[s])
+    base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})
+    if 0 not in stages:
+        base.embed_tokens = None
+    if layout.num_stages - 1 not in stages:
+        base.norm = None
+        model.lm_head = None
+
+
+def _layer_kinds(config, indices) -> dict[int, str]:
+    """``full_attention`` or ``sliding_attention`` per layer, as the HF models choose masks."""
+    types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return {i: types[i] if types is not None else
+            ("sliding_attention" if sliding else "full_attention") for i in indices}
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of an HF decoder LM: [embed] -> layers -> [norm -> lm_head].
+
+    ``forward(*inputs, position_ids, attention_mask=None)``: the first stage takes
+    ``input_ids``, the others what the previous stage returned (its hidden states, or their
+    FP8 message, see ``boundary.py``); the last stage returns logits, the others the boundary
+    tensor. Every stage gets ``position_ids`` (and the optional 2-D padding ``attention_mask``)
+    of the micro-batch and builds its own rotary embeddings and causal mask, as the HF model
+    does once for all layers.
+
+    Args:
+        model: the stripped HF model (:func:`strip_to_rank`).
+        index: stage index; num_stages: stages in the pipeline.
+        layer_ids: global indices of this stage's decoder layers.
+        boundaries: the FP8 decision per boundary.
+        act_dtype: dtype of the hidden states (the training dtype).
+        seq_shards: the hidden states between stages are split this many ways along the
+            sequence (tensor-parallel size under sequence parallelism, else 1).
+    """
+
+    def __init__(self, model: nn.Module, index: int, num_stages: int, layer_ids: tuple,
+                 boundaries: BoundaryPlan, act_dtype: torch.dtype, seq_shards: int = 1) -> None:
+        super().__init__()
+        base = model.model
+        self.index, self.num_stages, self.layer_ids = index, num_stages, tuple(layer_ids)
+        self.config = model.config
+        self.embed = base.embed_tokens if index == 0 else None
+        self.layers = nn.ModuleList([base.layers[str(i)] for i in layer_ids])
+        self.rotary = base.rotary_emb
+        last = index == num_stages - 1
+        self.norm = base.norm if last else None
+        self.head = model.lm_head if last else None
+        self.kinds = _layer_kinds(model.config, self.layer_ids)
+        self.boundaries, self.seq_shards = boundaries, seq_shards
+        self.hidden, self.act_dtype = model.config.hidden_size, act_dtype
+
+    def act_shape(self, batch: int, seq: int) -> tuple:
+        """Shape of the hidden states entering / leaving this stage for a micro-batch."""
+        return (batch, seq // self.seq_shards, self.hidden)
+
+    def forward(self, *inputs: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        batch, seq = position_ids.shape
+        if self.embed is not None:
+            h = self.embed(inputs[0])
+        else:
+            h = self.boundaries.decode(inputs[0], self.index - 1, self.act_shape(batch, seq),
+                                       self.act_dtype)
+        rope = self.rotary(h, position_ids=position_ids)
+        masks = self._masks(h, batch, seq, attention_mask, position_ids)
+        for i, layer in zip(self.layer_ids, self.layers):
+            out = layer(h, attention_mask=masks[self.kinds[i]], position_embeddings=rope,
+                        position_ids=position_ids, past_key_values=None, use_cache=False)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.head is not None:
+            return self.head(self.norm(h))
+        return self.boundaries.encode(h, self.index)
+
+    def _masks(self, h, batch, seq, attention_mask, position_ids) -> dict:
+        from transformers.masking_utils import (create_causal_mask,
+                                                create_sliding_window_causal_mask)
+        # The mask helpers read only batch, query length, dtype and device from inputs_embeds;
+        # under sequence parallelism h holds a sequence shard, so give them the full length.
+        shape_only = torch.empty((batch, seq, 1), dtype=h.dtype, device=h.device)
+        kw = dict(config=self.config, inputs_embeds=shape_only, attention_mask=attention_mask,
+                  past_key_values=None, position_ids=position_ids)
+        out = {}
+        for kind in set(self.kinds.values()):
+            fn = create_sliding_window_causal_mask if kind == "sliding_attention" else \
+                create_causal_mask
+            out[kind] = fn(**kw)
+        return out
+
+
+def build_stage_modules(model: nn.Module, layout: PipelineLayout, rank: int,
+                        boundaries: BoundaryPlan, act_dtype: torch.dtype,
+                        seq_shards: int = 1) -> list[DecoderStage]:
+    """One :class:`DecoderStage` per stage of ``rank`` (ascending stage index)."""
+    return [DecoderStage(model, s, layout.num_stages, layout.layers[s], boundaries, act_dtype,
+                         seq_shards) for s in layout.stages_of(rank)]
