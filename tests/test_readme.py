@@ -20,3 +20,20 @@ def test_readme_python_examples_run():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "README-OK" in proc.stdout
     assert "converted 0 linear layer(s)" in proc.stdout  # already FP8 from the first example
+
+
+def test_readme_hybrid_example_runs_under_torchrun(tmp_path):
+    """The ``python torchrun-2`` block (HybridParallelPlugin, tp 2) as a file under torchrun."""
+    blocks = re.findall(r"```python torchrun-2\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) == 1
+    script = tmp_path / "hybrid.py"
+    script.write_text(blocks[0].replace("/tmp/fp8boost_readme_hybrid", str(tmp_path / "hf")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("tp=2 dp=1 loss=") == 2, proc.stdout
+    from transformers import AutoModelForCausalLM
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert full.model.layers[0].mlp.gate_proj.weight.shape == (768, 256)  # gathered, not a shard
