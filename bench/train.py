@@ -17,6 +17,7 @@ Configs (``--configs``, comma separated; default: all but ``single_*``; ``all``:
     ddp_bf16, ddp_fp8, ddp_fp8_comm                TorchDDPPlugin
     zero1_bf16, zero1_fp8, zero1_fp8_comm          LowLevelZeroPlugin(stage=1)
     zero2_bf16, zero2_fp8, zero2_fp8_comm          LowLevelZeroPlugin(stage=2)
+    zero1_fp8_comm_rs, zero2_fp8_comm_rs, gemini_fp8_comm_rs   ... fp8_reduce_scatter=True
     gemini_bf16, gemini_fp8, gemini_fp8_comm       GeminiPlugin (ZeRO-3 on FSDP2)
     torchfsdp_bf16, torchfsdp_fp8, torchfsdp_fp8_comm   TorchFSDPPlugin (plain FSDP2)
     tp2_bf16, tp2_fp8, tp2_fp8_comm                HybridParallelPlugin(tp_size=2, zero_stage=1)
@@ -80,7 +81,10 @@ from metrics import flops_per_token, matmul_params  # noqa: E402  (examples/metr
 PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2", "gemini", "torchfsdp", "tp2",
                                         "tp2sp")
                   for v in ("bf16", "fp8", "fp8_comm")]
-ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", *PLUGIN_CONFIGS]
+# *_fp8_comm_rs: FP8 communication with FP8 gradient reduce-scatter too (off by default).
+RS_CONFIGS = ["zero1_fp8_comm_rs", "zero2_fp8_comm_rs", "gemini_fp8_comm_rs"]
+ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", *PLUGIN_CONFIGS,
+               *RS_CONFIGS]
 DEFAULT_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", *PLUGIN_CONFIGS]
 
 
@@ -273,7 +277,8 @@ def setup_booster(model, name: str, args, device):
     from fp8boost.booster import Booster
 
     kind, variant = name.split("_", 1)
-    use_fp8, fp8_comm = variant in ("fp8", "fp8_comm"), variant == "fp8_comm"
+    use_fp8, fp8_comm = variant.startswith("fp8"), variant.startswith("fp8_comm")
+    rs = {"fp8_reduce_scatter": True} if variant == "fp8_comm_rs" else {}
     if args.compile:
         compile_layers(model)
     fp8_cfg = None
@@ -292,7 +297,8 @@ def setup_booster(model, name: str, args, device):
     elif kind == "gemini":
         from fp8boost.plugins import GeminiPlugin
         booster = Booster(plugin=GeminiPlugin(precision="bf16", use_fp8=use_fp8,
-                                              fp8_communication=fp8_comm, fp8_config=fp8_cfg),
+                                              fp8_communication=fp8_comm, fp8_config=fp8_cfg,
+                                              **rs),
                           device=device)
     elif kind.startswith("tp"):
         from fp8boost.plugins import HybridParallelPlugin
@@ -309,7 +315,7 @@ def setup_booster(model, name: str, args, device):
     else:
         from fp8boost.plugins import LowLevelZeroPlugin
         plugin = LowLevelZeroPlugin(stage=int(kind[-1]), precision="bf16", use_fp8=use_fp8,
-                                    fp8_communication=fp8_comm,
+                                    fp8_communication=fp8_comm, **rs,
                                     reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
         booster = Booster(plugin=plugin, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),

@@ -28,8 +28,12 @@ class LowLevelZeroPlugin(Plugin):
             during backward; each rank keeps only its 1/dp of them).
         precision: ``"bf16"`` (default), ``"fp16"`` (dynamic loss scaling) or ``"fp32"``.
         use_fp8: run eligible linear layers' GEMMs in FP8 (``convert_to_fp8``).
-        fp8_communication: reduce-scatter / all-reduce gradients with FP8 (e5m2) payloads and
-            all-gather updated parameters in FP8 (e4m3) as chosen by ``fp8_param_gather``.
+        fp8_communication: all-gather updated parameters in FP8 (e4m3) as chosen by
+            ``fp8_param_gather`` (FP8 weights feed their FP8 GEMMs directly). Gradients reduce
+            in their own dtype unless ``fp8_reduce_scatter``: FP8 gradients measured slower on
+            NVLink (the reason is logged once and kept in ``plugin.comm_report``).
+        fp8_reduce_scatter: with ``fp8_communication``, reduce-scatter / all-reduce gradients
+            with FP8 (e5m2, per-chunk scales) payloads too: for slow (inter-node) links.
         overlap_communication: launch gradient buckets from backward hooks as they fill.
         reduce_bucket_size_in_m: bucket size in millions (2**20) of elements. Default (None):
             12, or 64 with ``fp8_communication``: each FP8 collective carries a fixed cost of
@@ -65,14 +69,17 @@ class LowLevelZeroPlugin(Plugin):
                  cpu_offload: bool = False, master_weights: bool = True,
                  initial_scale: float = 2.0 ** 16, growth_interval: int = 1000,
                  fp8_config: Optional[Fp8Config] = None, comm_config=None,
-                 fp8_param_gather: str = "fp8_linear") -> None:
+                 fp8_param_gather: str = "fp8_linear", fp8_reduce_scatter: bool = False) -> None:
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-3 is GeminiPlugin), got {stage!r}")
         check_precision(precision, self.supported_precisions)
         for name, value in (("use_fp8", use_fp8), ("fp8_communication", fp8_communication),
                             ("overlap_communication", overlap_communication),
-                            ("cpu_offload", cpu_offload), ("master_weights", master_weights)):
+                            ("cpu_offload", cpu_offload), ("master_weights", master_weights),
+                            ("fp8_reduce_scatter", fp8_reduce_scatter)):
             check_bool(name, value)
+        if fp8_reduce_scatter and not fp8_communication:
+            raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
         if reduce_bucket_size_in_m is None:
             reduce_bucket_size_in_m = 64 if fp8_communication else 12
         if isinstance(reduce_bucket_size_in_m, bool) or \
@@ -87,6 +94,8 @@ class LowLevelZeroPlugin(Plugin):
             raise ValueError(f"fp8_param_gather={fp8_param_gather!r} is not supported; use one of "
                              f"{FP8_PARAM_GATHER}")
         self.fp8_param_gather = fp8_param_gather
+        self.fp8_reduce_scatter = fp8_reduce_scatter
+        self.comm_report: dict = {}
         self.stage, self.precision = stage, precision
         self.use_fp8, self.fp8_communication = use_fp8, fp8_communication
         self.overlap_communication = overlap_communication
@@ -126,7 +135,9 @@ class LowLevelZeroPlugin(Plugin):
                 cpu_offload=self.cpu_offload,
                 loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
                 fp8_communication=self.fp8_communication, comm_config=self.comm_config,
-                fp8_params=self._fp8_gather_params(model))
+                fp8_params=self._fp8_gather_params(model),
+                fp8_reduce_scatter=self.fp8_reduce_scatter)
+            self.comm_report = opt.comm_report
             opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         wrapped = ModelWrapper(model, DTYPES[self.precision])
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []

@@ -117,6 +117,7 @@ def test_no_sync_without_plugin_accumulates():
     (lambda: LowLevelZeroPlugin(reduce_bucket_size_in_m=0), "reduce_bucket_size_in_m"),
     (lambda: LowLevelZeroPlugin(max_norm=-1.0), "max_norm"),
     (lambda: LowLevelZeroPlugin(fp8_param_gather="some"), "fp8_param_gather"),
+    (lambda: LowLevelZeroPlugin(fp8_reduce_scatter=True), "needs fp8_communication=True"),
     (lambda: LowLevelZeroPlugin(growth_interval=0), "growth_interval"),
     (lambda: TorchDDPPlugin(precision="int8"), "precision"),
     (lambda: TorchDDPPlugin(bucket_cap_mb=0), "bucket_cap_mb"),

@@ -34,9 +34,11 @@ class Collectives:
     All calls are asynchronous and return a handle with ``wait()``.
     """
 
-    def __init__(self, group, fp8: bool = False, comm_config=None) -> None:
+    def __init__(self, group, fp8: bool = False, comm_config=None,
+                 fp8_grads: bool = True) -> None:
         self.group = group
         self.fp8 = fp8
+        self.fp8_grads = fp8 and fp8_grads  # False: gradients in their own dtype, params FP8
         self.comm_config = comm_config
         self._fp8_comm = None
         if fp8:
@@ -52,13 +54,13 @@ class Collectives:
         return kw
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
-        if self.fp8:
+        if self.fp8_grads:
             return self._fp8_comm.reduce_scatter_tensor_fp8(
                 out, inp, self.group, op="sum", **self._fp8_kwargs("grad"))
         return _reduce_scatter_single(out, inp, self.group)
 
     def all_reduce(self, tensor: torch.Tensor):
-        if self.fp8:
+        if self.fp8_grads:
             return self._fp8_comm.all_reduce_fp8(tensor, self.group, op="sum",
                                                  **self._fp8_kwargs("grad"))
         return dist.all_reduce(tensor, group=self.group, async_op=True)

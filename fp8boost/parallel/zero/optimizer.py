@@ -17,11 +17,14 @@ mixed-precision "master weights" optimizer used by ``Booster(mixed_precision=...
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from fp8boost import _state
 
 from .buckets import Collectives, GradReducer, _all_gather_single, all_gather_params
 from .loss_scaler import DynamicLossScaler
@@ -63,11 +66,18 @@ class ZeroOptimizer(OptimizerProxy):
         max_norm: clip gradients to this global norm at every step (0 disables).
         cpu_offload: keep master chunks and optimizer state on the CPU; the step runs there.
         loss_scaler: a ``DynamicLossScaler`` for FP16 (None for BF16/FP32).
-        fp8_communication: reduce gradients with FP8 payloads, and all-gather ``fp8_params``
-            with FP8 payloads.
+        fp8_communication: all-gather ``fp8_params`` with FP8 payloads (and, with
+            ``fp8_reduce_scatter``, reduce gradients with FP8 payloads too).
+        fp8_reduce_scatter: with ``fp8_communication``, also reduce gradients as FP8 (e5m2,
+            per-chunk scales). Off by default: on NVLink it measured slower (the reason is
+            logged once and kept in ``comm_report``); turn it on for slow links.
         comm_config: ``Fp8CommConfig`` passed to the FP8 collectives.
         fp8_params: with ``fp8_communication``, the parameters all-gathered in FP8 (None: all).
             The others are gathered in their own dtype.
+        pp_group: pipeline group: the global gradient norm and the FP16 overflow check span
+            its stages (each holds different parameters).
+        pp_counted_elsewhere: parameters whose gradient another stage also holds and counts
+            in the norm (a tied embedding on the last stage): counted once.
 
     Example:
         >>> import torch
@@ -82,8 +92,10 @@ class ZeroOptimizer(OptimizerProxy):
                  reduce_bucket_numel: int = 12 * 1024 * 1024, max_norm: float = 0.0,
                  cpu_offload: bool = False, loss_scaler: Optional[DynamicLossScaler] = None,
                  fp8_communication: bool = False, comm_config=None,
+                 fp8_reduce_scatter: bool = False,
                  fp8_params: Optional[Iterable[torch.Tensor]] = None, tp_group=None,
-                 tp_replicated: Optional[Iterable[torch.Tensor]] = None) -> None:
+                 tp_replicated: Optional[Iterable[torch.Tensor]] = None, pp_group=None,
+                 pp_counted_elsewhere: Optional[Iterable[torch.Tensor]] = None) -> None:
         self.validate(optimizer)
         if isinstance(stage, bool) or stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
@@ -101,6 +113,10 @@ class ZeroOptimizer(OptimizerProxy):
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 \
             else None
         tp_ids = {id(p) for p in tp_replicated} if tp_replicated is not None else set()
+        # Pipeline stages hold different parameters: the norm and overflow check span them.
+        self.pp_group = pp_group if pp_group is not None and dist.get_world_size(pp_group) > 1 \
+            else None
+        pp_skip = {id(p) for p in pp_counted_elsewhere or ()}
         self.stage, self.master_weights, self.overlap = stage, master_weights, overlap_communication
         self.bucket_numel, self.max_norm, self.cpu_offload = reduce_bucket_numel, float(max_norm), cpu_offload
         self.loss_scaler = loss_scaler
@@ -115,9 +131,13 @@ class ZeroOptimizer(OptimizerProxy):
         self._grad_shards: list[Optional[torch.Tensor]] = [None] * len(self.params)
         # Norm weight per parameter: a tensor replicated over tp is counted once, not tp times.
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-        self._norm_weight = [1.0 / tp if id(p) in tp_ids else 1.0 for p in self.params]
-        self._comm = (Collectives(dp_group, fp8_communication, comm_config)
-                      if self.dp_world > 1 else None)
+        self._norm_weight = [0.0 if id(p) in pp_skip else 1.0 / tp if id(p) in tp_ids else 1.0
+                             for p in self.params]  # pp_skip: a tied copy another stage counts
+        if fp8_reduce_scatter and not fp8_communication:
+            raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
+        self.comm_report = _comm_report(fp8_communication, fp8_reduce_scatter, self.dp_world)
+        self._comm = (Collectives(dp_group, fp8_communication, comm_config,
+                                  fp8_grads=fp8_reduce_scatter) if self.dp_world > 1 else None)
         self._reducer = (GradReducer(self.params, self.shards, self.dp_world, max(stage, 1),
                                      reduce_bucket_numel, overlap_communication, self._comm,
                                      self._accumulate) if self.dp_world > 1 else None)
@@ -157,13 +177,32 @@ class ZeroOptimizer(OptimizerProxy):
                 f"master_weights={self.master_weights}, cpu_offload={self.cpu_offload}, "
                 f"optimizer={type(self.optim).__name__})")
 
+    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
+    nonfinite_guard = None
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``loss.backward()`` with loss scaling, then finish this backward's gradient reduction."""
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.observe_loss(loss)
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         loss.backward(retain_graph=retain_graph)
         if self._sync and self._reducer is not None:
             self._reducer.flush()
+
+    def reduce_gradients(self) -> None:
+        """Reduce over dp every gradient accumulated so far (collective).
+
+        For backward passes that ran under :meth:`no_sync` outside :meth:`backward`, e.g. the
+        micro-batches of a pipeline schedule: parameters are queued in index order, so every
+        dp rank builds the same buckets.
+        """
+        if self._reducer is not None:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self._reducer.mark_ready(i)
+            self._reducer.flush()
+        self._unsynced_grads = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -272,7 +311,12 @@ class ZeroOptimizer(OptimizerProxy):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp_group)
             if self.tp_group is not None:  # tp ranks hold different shards: skip alike
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.tp_group)
+            if self.pp_group is not None:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pp_group)
             self._found_inf = bool(found.item())
+        elif self.nonfinite_guard is not None:  # fp16 keeps the loss scaler's overflow skip
+            # One fused check across ranks; a bad step is skipped below like an fp16 overflow.
+            self._found_inf = self.nonfinite_guard.check(self._grad_shards, self.params)
         self._prepared = True
 
     def _chunk_of(self, grad: torch.Tensor, s: ParamShard) -> torch.Tensor:
@@ -302,6 +346,8 @@ class ZeroOptimizer(OptimizerProxy):
             dist.all_reduce(local, op=op, group=self.dp_group)
         if self.tp_group is not None:
             dist.all_reduce(local, op=op, group=self.tp_group)
+        if self.pp_group is not None:
+            dist.all_reduce(local, op=op, group=self.pp_group)
         return float(local) if inf else float(local) ** (1.0 / norm_type)
 
     # ---------------------------------------------------------------------------- checkpoints
@@ -432,3 +478,20 @@ class ZeroOptimizer(OptimizerProxy):
                             "them: no model was bound (ZeroOptimizer.bind_fp8_layers), so the "
                             "optimizer does not know which layers consume its parameters")
         return plan or None
+
+
+GRAD_RS_WHY = ("gradients reduce in their own dtype: FP8 reduce-scatter including its casts "
+               "measured 0.21-0.52x of BF16 at 64-256 MB on 2xH200 NVLink, and ZeRO-2 trained "
+               "slower with FP8 gradients than with BF16 ones (44.6k vs 45.7k tokens/s/GPU, "
+               "BENCHMARKS.md 4d); pass fp8_reduce_scatter=True for slow links")
+
+
+def _comm_report(fp8_communication: bool, fp8_reduce_scatter: bool, dp_world: int) -> dict:
+    """What ZeRO puts on the wire in FP8, and why not where it does not (logged once)."""
+    report = {"fp8_param_all_gather": fp8_communication and dp_world > 1,
+              "fp8_grad_reduce": fp8_reduce_scatter and dp_world > 1, "why_not": {}}
+    if fp8_communication and not fp8_reduce_scatter and dp_world > 1:
+        report["why_not"]["grad_reduce"] = GRAD_RS_WHY
+        _state.log_once(logging.getLogger("fp8boost.parallel.zero"), "zero-grad-rs-high",
+                        f"fp8boost ZeRO: {GRAD_RS_WHY}")
+    return report
