@@ -320,7 +320,7 @@ class Fp8Linear(nn.Linear):
                 "the weight was written or an optimizer step ran since it was set"
             if why is None:
                 if with_transpose and pre[3][0] is None:
-                    pre[3][0] = pre[1].t().contiguous()  # dgrad's K-major copy, made once
+                    pre[3][0] = transpose_fp8(pre[1])  # dgrad's K-major copy, made once
                 return Fp8Tensor(pre[1], pre[2], pre[3][0] if with_transpose else None)
             _state.warn_once(("fp8-linear-prequantized-dropped", why),
                              f"fp8boost: Fp8Linear casts its weight itself instead of using the "

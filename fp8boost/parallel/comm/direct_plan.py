@@ -30,9 +30,11 @@ from torch import nn
 
 from fp8boost import _state
 from fp8boost.fp8.linear import Fp8Linear
-from fp8boost.fp8.scaling import amax, cast_to_fp8, dequantize
+from fp8boost.fp8.scaling import amax, scale_from_amax
 
+from ._utils import _cast_impl
 from .config import Fp8CommConfig
+from .wire import cast_rows_into, decode_rows_into
 
 logger = logging.getLogger("fp8boost.parallel.zero")
 
@@ -110,15 +112,28 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
                         "fp8boost: ZeRO FP8 all-gather feeds Fp8Linear's FP8 GEMM directly "
                         "(one amax all-reduce per step, no re-quantize of the weight)",
                         level=logging.INFO)
-    return ZeroDirectPlan(weights)
+    return ZeroDirectPlan(weights, cfg)
 
 
 class ZeroDirectPlan:
-    """The direct-path weights of one ZeRO optimizer, and the per-step math on them."""
+    """The direct-path weights of one ZeRO optimizer, and the per-step math on them.
 
-    def __init__(self, weights: list[DirectWeight]) -> None:
+    Per step and weight: one amax (``_foreach_norm(inf)`` over all chunks at once where the
+    backend has it), one fused cast of the master chunk into bytes, one fused decode of the
+    gathered bytes into the working parameter (Triton on FP8 GPUs, ``comm_config.cast_impl``;
+    torch ops elsewhere, bit-identical); the scales of all weights come from a few vector ops.
+    """
+
+    def __init__(self, weights: list[DirectWeight], config: Optional[Fp8CommConfig] = None
+                 ) -> None:
         self.weights = weights
+        self.config = config if config is not None else Fp8CommConfig()
         self.slot = {w.index: j for j, w in enumerate(weights)}  # param index -> amax entry
+        # Weights sharing a scale rule get their scales from one vectorised call.
+        self._rules: dict[tuple, list[int]] = {}
+        for j, w in enumerate(weights):
+            rule = (w.plan.fp8_dtype, w.plan.margin, w.plan.power_of_2)
+            self._rules.setdefault(rule, []).append(j)
 
     def __bool__(self) -> bool:
         return bool(self.weights)
@@ -129,20 +144,25 @@ class ZeroDirectPlan:
 
         Padding in a master chunk is zero, so it never raises the amax.
         """
-        local = torch.stack([amax(masters[w.index]).to(device) for w in self.weights])
+        local = _amaxes([masters[w.index] for w in self.weights], device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        if len(self._rules) == 1:
+            (dtype, margin, pow2), _ = next(iter(self._rules.items()))
+            return scale_from_amax(local, dtype, margin, pow2)
         scales = torch.empty_like(local)
-        for j, w in enumerate(self.weights):
-            scales[j] = w.plan.scale(local[j])
+        for (dtype, margin, pow2), idx in self._rules.items():
+            at = torch.tensor(idx, device=local.device)
+            scales[at] = scale_from_amax(local[at], dtype, margin, pow2)
         return scales
 
     def cast_chunk(self, index: int, master: torch.Tensor, scales: torch.Tensor,
                    out_u8: torch.Tensor) -> None:
         """Cast one master chunk with its weight's scale into ``out_u8`` (uint8 bytes)."""
         w = self.weights[self.slot[index]]
-        scale = scales[self.slot[index]]
-        q = cast_to_fp8(master.to(out_u8.device, non_blocking=True), scale, w.plan.fp8_dtype)
-        out_u8.copy_(q.view(torch.uint8))
+        j = self.slot[index]
+        src = master.to(out_u8.device, non_blocking=True).reshape(1, -1)
+        cast_rows_into(src, scales[j:j + 1], out_u8.view(1, -1), w.plan.fp8_dtype,
+                       power_of_2=w.plan.power_of_2, impl=_cast_impl(self.config, out_u8.device))
 
     def receive(self, index: int, full_u8: torch.Tensor, param: torch.Tensor,
                 scales: torch.Tensor) -> None:
@@ -153,8 +173,35 @@ class ZeroDirectPlan:
         w = self.weights[self.slot[index]]
         if w.buffer is None or w.buffer.device != param.device:
             w.buffer = torch.empty(param.shape, dtype=w.plan.fp8_dtype, device=param.device)
-        w.buffer.view(torch.uint8).view(-1).copy_(full_u8)
-        inv = scales[self.slot[index]].reciprocal()
-        # copy_ on the Parameter bumps its version; the layer keys the bytes on the new one.
-        param.copy_(dequantize(w.buffer, inv, param.dtype))
-        w.layer.set_prequantized_weight(w.buffer, inv)
+        data = w.buffer.view(torch.uint8).view(1, -1)
+        data.copy_(full_u8.view(1, -1))
+        j = self.slot[index]
+        inv = scales[j:j + 1].reciprocal()
+        impl = _cast_impl(self.config, param.device)
+        if param.is_contiguous():
+            decode_rows_into(data, inv, w.plan.fp8_dtype, param.detach().view(1, -1),
+                             power_of_2=w.plan.power_of_2, impl=impl)
+            _bump_version(param)  # a kernel's write does not; the weight-cast caches key on it
+        else:
+            tmp = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            decode_rows_into(data, inv, w.plan.fp8_dtype, tmp.view(1, -1),
+                             power_of_2=w.plan.power_of_2, impl=impl)
+            param.copy_(tmp)
+        w.layer.set_prequantized_weight(w.buffer, inv.reshape(()))
+
+
+def _amaxes(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """FP32 ``[len(chunks)]`` of max |x| per chunk (NaN propagates), in as few launches as the
+    backend allows: ``torch._foreach_norm(inf)`` on GPU, one amax per chunk elsewhere."""
+    if chunks and all(c.is_cuda and c.numel() > 0 and c.dtype == chunks[0].dtype
+                      for c in chunks):
+        return torch.stack(torch._foreach_norm(chunks, float("inf"))).float().to(device)
+    return torch.stack([amax(c).to(device) for c in chunks])
+
+
+def _bump_version(t: torch.Tensor) -> None:
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(t)
+    else:  # older torch: an in-place no-op through the dispatcher bumps it
+        t.detach().mul_(1)
