@@ -146,7 +146,7 @@ def test_bad_arguments_raise_before_any_collective() -> None:
                              sequence_parallelism_mode="ring")
     with pytest.raises(ValueError, match="enable_sequence_parallelism"):
         HybridParallelPlugin(tp_size=2, sequence_parallelism_mode="split_gather")
-    with pytest.raises(NotImplementedError, match="pipeline"):
+    with pytest.raises(ValueError, match="num_microbatches"):  # pipeline needs a micro-batch count
         HybridParallelPlugin(tp_size=2, pp_size=2)
     with pytest.raises(ValueError, match="need pp_size > 1"):
         HybridParallelPlugin(tp_size=2, num_microbatches=4)

@@ -176,16 +176,17 @@ class PipelineRunner:
         """Evaluation: every micro-batch through the stages in order, no schedule, no graph.
 
         Each rank runs its stages in ascending order, all micro-batches of one stage before the
-        next, with blocking send/recv in that same order on both ends, so it cannot deadlock
-        for any stage-to-rank mapping (torch 2.13's ``eval()`` of the ZB-V schedule still
-        tries to pass gradients between its local stages).
+        next. Receives block, sends do not (isend, waited at the end): a receive only waits for
+        an earlier stage, so no mapping of stages to ranks can deadlock, including the loop of
+        interleaved stages back to rank 0 (torch 2.13's ``eval()`` of the ZB-V schedule still
+        tries to pass gradients between its local stages, so it is not used).
         """
         split = lambda t: list(torch.tensor_split(t, n))  # noqa: E731
         args_mb = [split(a) for a in args]
         kw_mb = {k: split(v) for k, v in kwargs.items()}
         rows = split(target) if target is not None else None
         local: dict[tuple, torch.Tensor] = {}
-        outputs = []
+        outputs, sends = [], []
         with torch.no_grad():
             for m in self.modules:
                 for i in range(n):
@@ -200,8 +201,11 @@ class PipelineRunner:
                         local[(m.index + 1, i)] = out
                     else:
                         peer = self.layout.rank_of(m.index + 1)
-                        dist.send(out.contiguous(), dist.get_global_rank(self.group, peer),
-                                  group=self.group)
+                        buf = out.contiguous()
+                        sends.append((dist.isend(buf, dist.get_global_rank(self.group, peer),
+                                                 group=self.group), buf))
+            for work, _ in sends:
+                work.wait()
         losses = self._call["losses"]
         loss = torch.stack(losses).mean() if self.has_last and losses else None
         return loss, (torch.cat(outputs) if outputs else None)

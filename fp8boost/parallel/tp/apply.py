@@ -205,7 +205,7 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
     if fp8_communication:
         state.comm_report["exits_and_backward"] = HIGH_PRECISION_WHY
         _state.log_once(logger, ("tp-fp8-exit",), f"fp8boost: {HIGH_PRECISION_WHY}")
-    if sequence_parallel and plan.layers:
+    if sequence_parallel and plan.layers and plan.split_sequence:
         modules[plan.layers[0]].register_forward_pre_hook(
             lambda m, args, kwargs: _replace_first(args, kwargs, "hidden_states",
                                                    lambda x: split_seq(x, group)),

@@ -58,6 +58,10 @@ class TpPlan:
     head_counts: dict[str, int] = field(default_factory=dict)
     """Sizes tp must divide (attention heads, kv heads, FFN, vocab), for the error message."""
 
+    split_sequence: bool = True
+    """With sequence parallelism, split the sequence at the input of ``layers[0]``. False on
+    later pipeline stages, whose input arrives from the previous stage already split."""
+
 
 def _base_model(model: nn.Module) -> Optional[str]:
     for name in ("model", "transformer", "base_model"):
