@@ -4,7 +4,9 @@ Everything here lives for the life of the process and is created lazily (nothing
 import time):
 
 * warn-once keys (``warn_once``) and log-once keys (``log_once``): each fallback or notice is
-  reported once per process and reason;
+  reported once per job and reason: once per process, and in a multi-process job by rank 0
+  only (the conditions they report are the same on every rank: same machine type, model and
+  options), unless the caller says ``all_ranks=True``;
 * the optimizer-step epoch: bumped after every ``torch.optim`` step by a global hook registered
   on first use; FP8 weight-cast caches compare against it, since fused optimizers step without
   bumping the Parameters' version counters;
@@ -16,6 +18,7 @@ Tests may call :func:`reset` to start from a clean slate.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from typing import Callable, Hashable
@@ -28,8 +31,28 @@ _STEP_HOOK: list = []
 _PROBES: dict[str, object] = {}
 
 
-def warn_once(key: Hashable, message: str, stacklevel: int = 3) -> None:
-    """Emit ``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+def _rank() -> int:
+    """This process's rank in the job: the process group's, else torchrun's ``RANK``, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def warn_once(key: Hashable, message: str, stacklevel: int = 3, all_ranks: bool = False) -> None:
+    """Emit ``warnings.warn(message)`` the first time ``key`` is seen in this job.
+
+    Args:
+        key: the reason; each key warns once per process.
+        message: the warning text.
+        stacklevel: as ``warnings.warn``.
+        all_ranks: warn on every rank. The default warns on rank 0 only, for conditions that
+            are the same on every rank (an 8-GPU job printed each fallback 8 times).
+    """
     # Read paths take no lock: torch.compile traces these helpers and breaks its graph on a
     # lock (seen on an H100: 6 graph breaks per compiled model before this fast path).
     if key in _WARNED:
@@ -38,19 +61,25 @@ def warn_once(key: Hashable, message: str, stacklevel: int = 3) -> None:
         if key in _WARNED:
             return
         _WARNED.add(key)
-    warnings.warn(message, stacklevel=stacklevel)
+    if all_ranks or _rank() == 0:
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 def log_once(logger: logging.Logger, key: Hashable, message: str,
-             level: int = logging.WARNING) -> bool:
-    """Log ``message`` the first time ``key`` is seen; returns whether it was logged."""
+             level: int = logging.WARNING, all_ranks: bool = False) -> bool:
+    """Log ``message`` the first time ``key`` is seen; returns whether it was logged.
+
+    As :func:`warn_once`, rank 0 alone logs unless ``all_ranks``; every rank records the key,
+    so the return value (and :func:`was_logged`) is the same on all ranks.
+    """
     if key in _LOGGED:
         return False
     with _LOCK:
         if key in _LOGGED:
             return False
         _LOGGED.add(key)
-    logger.log(level, message)
+    if all_ranks or _rank() == 0:
+        logger.log(level, message)
     return True
 
 

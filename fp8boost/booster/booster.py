@@ -23,6 +23,10 @@ class Booster:
             their precision from the Booster (``TorchDDPPlugin(precision=None)``); plugins with
             their own ``precision`` argument refuse it.
         device: where the model lives (default: ``cuda:LOCAL_RANK`` with CUDA, else CPU).
+        nonfinite_guard: skip optimizer steps whose loss or gradients hold NaN/Inf, on every
+            rank alike, and stop after 3 in a row (``fp8boost.parallel.nonfinite``). True
+            (default), False (off), or a ``NonFiniteGuard(max_consecutive=K)``. FP16 keeps its
+            loss scaler's overflow handling.
 
     Example:
         >>> import torch
@@ -37,7 +41,15 @@ class Booster:
 
     def __init__(self, plugin: Optional[Plugin] = None,
                  mixed_precision: Union[str, MixedPrecision, None] = None,
-                 device: Union[str, torch.device, None] = None) -> None:
+                 device: Union[str, torch.device, None] = None,
+                 nonfinite_guard: Union[bool, "NonFiniteGuard"] = True) -> None:
+        from fp8boost.parallel.nonfinite import NonFiniteGuard
+
+        if not isinstance(nonfinite_guard, (bool, NonFiniteGuard)):
+            raise TypeError("nonfinite_guard must be True, False or a NonFiniteGuard, got "
+                            f"{type(nonfinite_guard).__name__}")
+        self.nonfinite_guard = NonFiniteGuard() if nonfinite_guard is True else \
+            (nonfinite_guard or None)
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be an fp8boost Plugin, got {type(plugin).__name__}")
         if mixed_precision is not None and not isinstance(mixed_precision, (str, MixedPrecision)):
@@ -69,8 +81,14 @@ class Booster:
         dataloader reads this rank's share of the data; the lr scheduler is returned unchanged
         (it keeps driving the wrapped optimizer's learning rates).
         """
-        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler,
-                                     device=self.device)
+        boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler,
+                                        device=self.device)
+        opt = boosted[1]
+        if self.nonfinite_guard is not None and hasattr(opt, "nonfinite_guard"):
+            # Over every rank that steps together (the checkpoint group: the whole job).
+            opt.nonfinite_guard = self.nonfinite_guard.bind(
+                self.plugin.checkpoint_group, self.plugin.unwrap_model(boosted[0]))
+        return boosted
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """Backpropagate ``loss`` (with loss scaling / gradient reduction as the plugin needs).

@@ -88,10 +88,25 @@ class FsdpOptimizer(OptimizerProxy):
     def __repr__(self) -> str:
         return f"FsdpOptimizer({self.optim!r}, max_norm={self.max_norm})"
 
+    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
+    nonfinite_guard = None
+    _skip_step: Optional[bool] = None  # this step's guard verdict (checked once per step)
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.observe_loss(loss)
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         loss.backward(retain_graph=retain_graph)
+
+    def _guard_skips(self) -> bool:
+        """The non-finite guard's verdict on this step (fp16: the loss scaler decides)."""
+        if self.nonfinite_guard is None or self.loss_scaler is not None:
+            return False
+        if self._skip_step is None:
+            self._skip_step = self.nonfinite_guard.check([p.grad for p in self.params],
+                                                         self.params)
+        return self._skip_step
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -130,13 +145,17 @@ class FsdpOptimizer(OptimizerProxy):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards (DTensor gradients); returns the norm before."""
-        if not self._unscale():
+        if not self._unscale() or self._guard_skips():
             return torch.tensor(math.inf)
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self, closure=None) -> None:
         ok = self._unscale()
+        if self._guard_skips():  # the same verdict on every rank: nobody steps
+            self.optim.zero_grad(set_to_none=True)
+            ok = False
+        self._skip_step = None
         if ok:
             if self.max_norm > 0:
                 self.clip_grad_norm_(self.max_norm, self.norm_type)
@@ -151,6 +170,7 @@ class FsdpOptimizer(OptimizerProxy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
         self._unscaled = False
+        self._skip_step = None
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],

@@ -7,11 +7,16 @@
 ``dcp``      ``DTensorCheckpointIO`` for FSDP2/DTensor models (Gemini, TorchFSDP, hybrid):
              HF export gathered one parameter at a time, sharded resumable state through
              ``torch.distributed.checkpoint``, HF loads that read only each rank's part.
+``resume``   ``latest_checkpoint``: the newest complete checkpoint of a folder (auto-resume).
 ``hybrid``   ``HybridCheckpointIO`` for ``HybridParallelPlugin`` (tp-split plain tensors x
              ZeRO): HF export gathered over tp a parameter at a time, tp-sliced HF loads,
              resumable state as DCP DTensors on the (dp, pp, tp) mesh (reshards on load).
 """
 from .base import CheckpointIO, GeneralCheckpointIO
+from .formats import CheckpointCorruptError, CheckpointSaveError, verify_checksums
 from .hybrid import HybridCheckpointIO
+from .resume import complete_checkpoints, latest_checkpoint
 
-__all__ = ["CheckpointIO", "GeneralCheckpointIO", "HybridCheckpointIO"]
+__all__ = ["CheckpointIO", "GeneralCheckpointIO", "HybridCheckpointIO", "CheckpointCorruptError",
+           "CheckpointSaveError", "verify_checksums", "complete_checkpoints",
+           "latest_checkpoint"]

@@ -61,13 +61,19 @@ class CheckpointIO(ABC):
         """``lr_scheduler.state_dict()`` to the file ``path`` (atomic; rank 0 writes)."""
         if not hasattr(lr_scheduler, "state_dict"):
             raise TypeError(f"lr_scheduler must have state_dict(), got {type(lr_scheduler).__name__}")
+        path = os.path.abspath(path)
+        failure = None
         if cio._rank(self.group) == 0:
-            path = os.path.abspath(path)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp-{os.getpid()}"
-            torch.save(lr_scheduler.state_dict(), tmp)
-            os.replace(tmp, path)
-        cio._barrier(self.group)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(lr_scheduler.state_dict(), tmp)
+                os.replace(tmp, path)
+            except OSError as exc:  # a full disk: every rank must hear of it, not hang
+                failure = exc
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+        cio.raise_if_failed(path, failure, self.group)
 
     def load_lr_scheduler(self, lr_scheduler, path: str) -> None:
         lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -98,6 +104,7 @@ class CheckpointIO(ABC):
         """Restore a directory written by ``save_checkpoint``; returns its ``extra`` dict."""
         path = os.fspath(path)
         cio._require(path, "resumable", STATE_MARKER)
+        cio.verify_checksums(path, self.group)  # every rank raises alike, before any read
         with open(os.path.join(path, STATE_MARKER)) as f:
             meta = json.load(f)
         if meta.get("format") != self.state_format:
@@ -113,10 +120,16 @@ class CheckpointIO(ABC):
     state_format = "fp8boost-general-v1"
 
     def _write_state(self, tmp: str, model, optimizer, lr_scheduler) -> None:
-        """Write model (and optimizer) state into ``tmp`` (every rank calls it)."""
-        self._write_model_into(model, os.path.join(tmp, "model"), True, 1024)
+        """Write model (and optimizer) state into ``tmp`` (every rank calls it).
+
+        Each part is agreed on before the next (``run_agreed``): the optimizer part starts
+        with a barrier, which a rank whose model write failed would never reach.
+        """
+        cio.run_agreed(lambda: self._write_model_into(model, os.path.join(tmp, "model"), True,
+                                                      1024), self.group)
         if optimizer is not None:
-            self._write_optimizer_into(optimizer, os.path.join(tmp, "optimizer"))
+            cio.run_agreed(lambda: self._write_optimizer_into(
+                optimizer, os.path.join(tmp, "optimizer")), self.group)
 
     def _read_state(self, path: str, model, optimizer) -> None:
         self.load_model(model, os.path.join(path, "model"))
@@ -149,6 +162,7 @@ class GeneralCheckpointIO(CheckpointIO):
             cio.write_model(self.plugin.unwrap_model(model), directory, shard, size_mb, overrides)
 
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
+        cio.verify_checksums(os.fspath(path), self.group)
         cio.read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
         self.plugin.after_load_model(model)
 
@@ -161,12 +175,15 @@ class GeneralCheckpointIO(CheckpointIO):
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
         cio._check_optimizer(optimizer)
         is_writer = optimizer.shard_world_size > 1 or cio._rank(self.group) == 0
-        if is_writer:
-            os.makedirs(directory, exist_ok=True)
-        cio._barrier(self.group)
+        # Agreed instead of a bare barrier: a rank that cannot create the directory must not
+        # leave the others waiting.
+        cio.run_agreed(lambda: os.makedirs(directory, exist_ok=True) if is_writer else None,
+                       self.group)
         cio.write_optimizer(optimizer, directory, is_writer)
 
     def load_optimizer(self, optimizer, path: str) -> None:
         cio._check_optimizer(optimizer)
+        # Collective: ranks read different shards, so one bad shard must stop every rank here.
+        cio.verify_checksums(os.fspath(path), self.group)
         cio.read_optimizer(optimizer, os.fspath(path))
 

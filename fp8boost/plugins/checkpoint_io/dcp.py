@@ -136,6 +136,7 @@ class DTensorCheckpointIO(CheckpointIO):
         """Fill every parameter and persistent buffer from an HF folder (ours or
         ``save_pretrained``'s), each rank reading only its shards' slices."""
         module = self.plugin.unwrap_model(model)
+        cio.verify_checksums(os.fspath(path), self.group)  # every rank raises alike
         hf.read_sharded(module, os.fspath(path), strict)
         _after_load(module)
 
@@ -165,6 +166,7 @@ class DTensorCheckpointIO(CheckpointIO):
 
         path = os.fspath(path)
         marker = self._optimizer_marker(path)
+        cio.verify_checksums(path, self.group)  # every rank raises alike, before DCP reads
         module, _ = self._optimizer_model(optimizer, marker["keys"])
         raw = _raw_optimizer(optimizer)
         state = {"optim": _prepared_optimizer_state(module, raw)}

@@ -377,6 +377,7 @@ class HybridCheckpointIO(CheckpointIO):
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
         """Load an HF folder (ours or ``save_pretrained``'s); each rank reads its tp slices."""
         _check_boosted(self.plugin, self.plugin.unwrap_model(model))
+        cio.verify_checksums(os.fspath(path), self.group)  # every rank raises alike
         read_hf_sliced(self.plugin, model, os.fspath(path), strict)
         self.plugin.after_load_model(model)
 
@@ -403,6 +404,7 @@ class HybridCheckpointIO(CheckpointIO):
         module = self._module_of(optimizer)
         cio._check_optimizer(optimizer)
         cio._require(os.fspath(path), "hybrid optimizer", OPTIM_MARKER)
+        cio.verify_checksums(os.fspath(path), self.group)  # every rank raises alike
         self._read_state(os.fspath(path), module, optimizer, with_model=False)
 
     def _module_of(self, optimizer):
