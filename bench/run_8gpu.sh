@@ -25,6 +25,8 @@
 # Settings: LLaMA2-7B/13B bs 2 x 4096 tokens per GPU (tp/pp replicas take 2 x tp x pp
 # sequences), pp2 with 1-sequence micro-batches (4 per step), warm-up 4, median of 10 steps.
 # Usage on the GPU machine: bash bench/run_8gpu.sh smoke 2 | 7b-zero | ... | 35b
+# SMOKE_EXTRA adds arguments to the smoke runs (CPU check: SMOKE_EXTRA="--device cpu
+# --vocab-size 256 --seq-len 64 --no-compile" bash bench/run_8gpu.sh smoke 2).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench/results}
@@ -58,8 +60,8 @@ part35() {  # part35 TP REPLICA_BATCH
 case "${1:-help}" in
   smoke)
     N=${2:-2}; TP35=$(( N >= 8 ? 8 : N ))
-    SM="--batch-size 2 --seq-len 256 --warmup 1 --steps 2 --fp8-min-numel 0 --compile --no-isolate"
-    T="timeout 300 torchrun --standalone --nproc_per_node=$N bench/scale.py"
+    SM="--batch-size 2 --seq-len 256 --warmup 1 --steps 2 --fp8-min-numel 0 --compile --no-isolate ${SMOKE_EXTRA:-}"
+    T="timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$N bench/scale.py"
     C7="fsdp2_bf16_eager,fsdp2_bf16,torchao_fsdp2,$(fam zero2),$(fam gemini),$(fam tp2),$(fam pp2)"
     $T --preset small $SM --configs "$C7" --output "$OUT/scale_smoke${N}_7b.json" \
       2>&1 | grep -E "$KEEP|Error" | tail -24

@@ -118,8 +118,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--fp8-min-numel", type=int, default=None)
     p.add_argument("--bucket-m", type=float, default=None, help="ZeRO reduce bucket (M elements)")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--compile", action="store_true", help="compile each decoder layer "
-                   "(all configs but fsdp2_bf16_eager)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile each decoder layer (all configs but fsdp2_bf16_eager)")
     p.add_argument("--build-dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="dtype the full model is built in before the plugin shards it (auto: "
                         f"bf16 for {BF16_BUILD}, else fp32 as bench/train.py)")
