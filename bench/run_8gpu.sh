@@ -4,7 +4,7 @@
 # Each part fits one 10-minute device call; JSON goes to $OUT (default bench/results).
 #
 #   part        configs (world 8)                                        expected on 8xH200
-#   smoke N     the whole matrix below on N GPUs, small models, 2 steps,   ~3 min on N=2
+#   smoke N     the whole matrix below on N GPUs, small models, 2 steps,   ~3-5 min on N=2
 #               one torchrun per matrix (7B-style, 13B best-of, 35B-style)
 #   7b-base     fsdp2_bf16_eager, fsdp2_bf16, torchao_fsdp2                ~4-5 min
 #   7b-zero     zero2_{bf16,fp8,fp8_comm}                  (ZeRO-2, dp8)   ~4-5 min
@@ -16,15 +16,19 @@
 #   13b         best 7B FP8 config's family: bf16 vs that config, 13B      ~5 min
 #   35b-tp8     tp8sp_{bf16,fp8}, Command-R-35B shape, 2 seqs / replica    ~6-8 min
 #   35b-tp4     tp4sp_{bf16,fp8} (tp4 x dp2), 1 seq / replica               ~6-8 min
+#               (estimated ~130 GB/GPU with FP8: if it OOMs, AC=1 adds activation
+#               checkpointing; MFU then still counts model FLOPs only)
 #   35b         35b-tp8, 35b-tp4, then one merged table                     ~15 min (2 calls)
 #
 # Estimates: 2xH200 took ~50 s per compiled config of the 8-layer 7B model (BENCHMARKS 4b/4d:
 # ~15 s torchrun + import, ~25 s compile, 14 steps of ~0.2 s); 32 layers reuse the same
 # compiled graphs (one code object) but each step is ~4x longer and the FP32 model build
-# ~4x larger: ~80-100 s per config. Per-config limit 170-260 s, per-part limit 570 s.
+# ~4x larger: ~80-100 s per config. Per-config limit 180 s (7B) or 270 s (13B, 35B), so a
+# hung config still leaves the part inside its 570 s limit.
 # Settings: LLaMA2-7B/13B bs 2 x 4096 tokens per GPU (tp/pp replicas take 2 x tp x pp
 # sequences), pp2 with 1-sequence micro-batches (4 per step), warm-up 4, median of 10 steps.
 # Usage on the GPU machine: bash bench/run_8gpu.sh smoke 2 | 7b-zero | ... | 35b
+# RB8 / RB4: sequences per 35B replica (default 2 / 1). AC=1: activation checkpointing (35b).
 # SMOKE_EXTRA adds arguments to the smoke runs (CPU check: SMOKE_EXTRA="--device cpu
 # --vocab-size 256 --seq-len 64 --no-compile" bash bench/run_8gpu.sh smoke 2).
 set -u
@@ -52,7 +56,7 @@ merge7() {
 }
 part35() {  # part35 TP REPLICA_BATCH
   timeout 570 $S --preset command-r-35b --batch-size 1 --replica-batch "$2" --seq-len 4096 \
-    --warmup 3 --steps 8 --nproc 8 --compile --config-timeout 270 \
+    --warmup 3 --steps 8 --nproc 8 --compile --config-timeout 270 ${AC:+--activation-checkpointing} \
     --configs "tp${1}sp_bf16,tp${1}sp_fp8" --output "$OUT/scale_8gpu_35b_tp$1.json" \
     2>&1 | grep -E "$KEEP" | tail -20
 }
@@ -61,7 +65,7 @@ case "${1:-help}" in
   smoke)
     N=${2:-2}; TP35=$(( N >= 8 ? 8 : N ))
     SM="--batch-size 2 --seq-len 256 --warmup 1 --steps 2 --fp8-min-numel 0 --compile --no-isolate ${SMOKE_EXTRA:-}"
-    T="timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$N bench/scale.py"
+    T="timeout 360 python3 -m torch.distributed.run --standalone --nproc_per_node=$N bench/scale.py"
     C7="fsdp2_bf16_eager,fsdp2_bf16,torchao_fsdp2,$(fam zero2),$(fam gemini),$(fam tp2),$(fam pp2)"
     $T --preset small $SM --configs "$C7" --output "$OUT/scale_smoke${N}_7b.json" \
       2>&1 | grep -E "$KEEP|Error" | tail -24
@@ -88,5 +92,5 @@ case "${1:-help}" in
     part35 8 "${RB8:-2}"; part35 4 "${RB4:-1}"
     $S --merge "$OUT"/scale_8gpu_35b_tp{8,4}.json --scale 35b --output "$OUT/scale_8gpu_35b.json" \
       2>&1 | grep -E "$KEEP|Error" | tail -12 ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n "2,/^set -u/p" "$0" | sed "$ d"; exit 2 ;;
 esac

@@ -120,6 +120,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compile each decoder layer (all configs but fsdp2_bf16_eager)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="HF gradient checkpointing of every decoder layer (memory fallback; "
+                        "TFLOP/s and MFU still count model FLOPs only, not the recompute)")
     p.add_argument("--build-dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="dtype the full model is built in before the plugin shards it (auto: "
                         f"bf16 for {BF16_BUILD}, else fp32 as bench/train.py)")
@@ -251,6 +254,8 @@ def measure(name: str, args, device: torch.device, rank: int, world_size: int) -
     cuda = device.type == "cuda"
     start_mem = torch.cuda.memory_allocated(device) / 2 ** 30 if cuda else None
     model = build_model(args, device)
+    if args.activation_checkpointing:  # before compile: the layers' __call__ checkpoints
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     post_step = train._nothing
     if lay["plugin"] in ("fsdp2", "torchao"):
         model, optimizer, backward, post_step = train.setup_fsdp2(
@@ -395,7 +400,8 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
             model=info, batch_size=args.batch_size, replica_batch=args.replica_batch,
             seq_len=args.seq_len, microbatches=args.microbatches, zero_bucket_m=args.bucket_m,
             fp8_min_numel=args.fp8_min_numel, warmup=args.warmup, steps=args.steps,
-            compile=args.compile, optimizer="AdamW", peak_bf16_tflops=args._peak_tflops,
+            compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+            optimizer="AdamW", peak_bf16_tflops=args._peak_tflops,
             fsdp2_policy="param bf16, reduce fp32", results=[])
         if getattr(args, "best_reason", None):
             report["best_of"] = args.best_reason
@@ -431,6 +437,7 @@ def child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
                  "peak_tflops"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    argv += ["--activation-checkpointing"] if args.activation_checkpointing else []
     return argv + (["--compile"] if args.compile and config != "fsdp2_bf16_eager" else [])
 
 
