@@ -35,44 +35,46 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # torchao is not on the GPU image (see device notes)
+if [ -z "${DRY:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # torchao is not on the GPU image (see device notes)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sort | uniq -c
+PY="${DRY:+echo }python3"  # DRY=1: print each command instead of running it (tests)
+filt() { if [ -n "${DRY:-}" ]; then cat; else grep -E "$1" | tail -"$2"; fi; }
 KEEP='^\[scale\] [a-z0-9_]+: |^\[scale\] (merged|JSON)|^config|^target|^[a-z0-9_]+ +(ok|NaN|oom|error|crashed|timeout|not_|skipped)|x[0-9]+, '
-S="python3 bench/scale.py"
+S="$PY bench/scale.py"
 L7="--preset llama2-7b --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 --nproc 8 --compile"
 V="bf16 fp8 fp8_comm"
 fam() { local out=""; for v in $V; do out="$out,${1}_$v"; done; echo "${out#,}"; }
 
 part7() {  # part7 NAME CONFIGS
   timeout 570 $S $L7 --config-timeout 180 --configs "$2" --output "$OUT/scale_8gpu_7b_$1.json" \
-    2>&1 | grep -E "$KEEP" | tail -20
+    2>&1 | filt "$KEEP" 20
 }
 merge7() {
   $S --merge "$OUT"/scale_8gpu_7b_{base,zero,gemini,tp,pp}.json --scale 7b \
-    --output "$OUT/scale_8gpu_7b.json" 2>&1 | grep -E "$KEEP|Error" | tail -30
+    --output "$OUT/scale_8gpu_7b.json" 2>&1 | filt "$KEEP|Error" 30
 }
 part35() {  # part35 TP REPLICA_BATCH
   timeout 570 $S --preset command-r-35b --batch-size 1 --replica-batch "$2" --seq-len 4096 \
     --warmup 3 --steps 8 --nproc 8 --compile --config-timeout 270 ${AC:+--activation-checkpointing} \
     --configs "tp${1}sp_bf16,tp${1}sp_fp8" --output "$OUT/scale_8gpu_35b_tp$1.json" \
-    2>&1 | grep -E "$KEEP" | tail -20
+    2>&1 | filt "$KEEP" 20
 }
 
 case "${1:-help}" in
   smoke)
     N=${2:-2}; TP35=$(( N >= 8 ? 8 : N ))
     SM="--batch-size 2 --seq-len 256 --warmup 1 --steps 2 --fp8-min-numel 0 --compile --no-isolate ${SMOKE_EXTRA:-}"
-    T="timeout 360 python3 -m torch.distributed.run --standalone --nproc_per_node=$N bench/scale.py"
+    T="timeout 360 $PY -m torch.distributed.run --standalone --nproc_per_node=$N bench/scale.py"
     C7="fsdp2_bf16_eager,fsdp2_bf16,torchao_fsdp2,$(fam zero2),$(fam gemini),$(fam tp2),$(fam pp2)"
     $T --preset small $SM --configs "$C7" --output "$OUT/scale_smoke${N}_7b.json" \
-      2>&1 | grep -E "$KEEP|Error" | tail -24
+      2>&1 | filt "$KEEP|Error" 24
     $T --preset small $SM --best-of "$OUT/scale_smoke${N}_7b.json" \
-      --output "$OUT/scale_smoke${N}_13b.json" 2>&1 | grep -E "$KEEP|Error" | tail -6
+      --output "$OUT/scale_smoke${N}_13b.json" 2>&1 | filt "$KEEP|Error" 6
     $T --preset command-r-small $SM --replica-batch 2 --configs "tp${TP35}sp_bf16,tp${TP35}sp_fp8" \
-      --output "$OUT/scale_smoke${N}_35b.json" 2>&1 | grep -E "$KEEP|Error" | tail -6 ;;
+      --output "$OUT/scale_smoke${N}_35b.json" 2>&1 | filt "$KEEP|Error" 6 ;;
   7b-base)   part7 base "fsdp2_bf16_eager,fsdp2_bf16,torchao_fsdp2" ;;
   7b-zero)   part7 zero "$(fam zero2)" ;;
   7b-gemini) part7 gemini "$(fam gemini)" ;;
@@ -85,12 +87,12 @@ case "${1:-help}" in
     timeout 570 $S --preset llama2-13b --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 \
       --nproc 8 --compile --config-timeout 270 \
       --best-of "$OUT/scale_8gpu_7b.json" "$OUT"/scale_8gpu_7b_{zero,gemini,tp,pp}.json \
-      --output "$OUT/scale_8gpu_13b.json" 2>&1 | grep -E "$KEEP" | tail -12 ;;
+      --output "$OUT/scale_8gpu_13b.json" 2>&1 | filt "$KEEP" 12 ;;
   35b-tp8) part35 8 "${RB8:-2}" ;;
   35b-tp4) part35 4 "${RB4:-1}" ;;
   35b)
     part35 8 "${RB8:-2}"; part35 4 "${RB4:-1}"
     $S --merge "$OUT"/scale_8gpu_35b_tp{8,4}.json --scale 35b --output "$OUT/scale_8gpu_35b.json" \
-      2>&1 | grep -E "$KEEP|Error" | tail -12 ;;
+      2>&1 | filt "$KEEP|Error" 12 ;;
   *) sed -n "2,/^set -u/p" "$0" | sed "$ d"; exit 2 ;;
 esac

@@ -53,8 +53,39 @@ def test_matrix_layouts_for_2_and_8_gpus(scale):
     argv = scale.child_argv(scale.parse_args(["--compile", "--replica-batch", "2"]),
                             "fsdp2_bf16_eager", "x.json")
     assert "--compile" not in argv and argv[argv.index("--replica-batch") + 1] == "2"
-    out = subprocess.run(["bash", "-n", str(BENCH / "run_8gpu.sh")], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("part", ["smoke 2", "smoke 8", "7b", "13b", "35b"])
+def test_run_8gpu_parts_pass_validation(scale, part, tmp_path):
+    """DRY=1 prints each part's commands; their arguments must pass scale.py's checks at the
+    world size each command launches (8, or N for smoke N)."""
+    env = dict(os.environ, DRY="1", OUT=str(tmp_path))
+    out = subprocess.run(["bash", str(BENCH / "run_8gpu.sh"), *part.split()], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    lines = [ln.split() for ln in out.stdout.splitlines() if "bench/scale.py" in ln]
+    checked = []
+    for words in lines:
+        argv = words[words.index("bench/scale.py") + 1:]
+        if "--merge" in argv:
+            continue
+        launch = [w for w in words if w.startswith("--nproc_per_node=")]
+        world = int(launch[0].split("=")[1]) if launch else int(argv[argv.index("--nproc") + 1])
+        args = scale.parse_args(argv)
+        layouts = scale.validate(args, world)
+        checked += [(lay["config"], world, lay["dp"]) for lay in layouts]
+    names = {c for c, _, _ in checked}
+    expected = dict(smoke=set(scale.MATRIX_7B) | {"zero2_bf16", "zero2_fp8"},
+                    **{"7b": set(scale.MATRIX_7B), "13b": {"zero2_bf16", "zero2_fp8"},
+                       "35b": set(scale.MATRIX_35B)})[part.split()[0]]
+    assert expected <= names, (part, names)
+    if part == "7b":
+        assert ("tp2_fp8", 8, 4) in checked and ("pp2_fp8_comm", 8, 4) in checked
+    if part == "smoke 2":
+        assert ("tp2_fp8", 2, 1) in checked and ("pp2_bf16", 2, 1) in checked
+        assert ("tp2sp_fp8", 2, 1) in checked and all(w == 2 for _, w, _ in checked)
+    if part == "smoke 8":
+        assert ("tp8sp_fp8", 8, 1) in checked and ("tp2_fp8", 8, 4) in checked
 
 
 def test_presets_shapes_and_parameter_counts(scale):
