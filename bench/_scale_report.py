@@ -145,7 +145,8 @@ def merge(paths: list[str], scale: str) -> dict[str, Any]:
     keys = {(r.get("model", {}).get("preset"), r.get("world_size")) for r in reports}
     if len(keys) > 1:
         raise ValueError(f"{paths} mix models / world sizes {sorted(map(str, keys))}")
-    out = dict(reports[0], merged_from=[str(p) for p in paths],
+    out = dict(reports[0], merged_from=[str(p) for p in paths if Path(p).exists()],
+               missing=[str(p) for p in paths if not Path(p).exists()],
                results=[r for rep in reports for r in rep.get("results", [])])
     add_speedups(out["results"])
     out["targets"] = targets(out["results"], scale)

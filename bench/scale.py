@@ -503,8 +503,9 @@ def run_merge(args: argparse.Namespace) -> dict[str, Any]:
     report = rep.merge(args.merge, scale)
     path = output_path(args)
     train.write_report(report, path)
-    print(f"[scale] merged {len(args.merge)} JSONs into {path}\n" + rep.format_table(report),
-          flush=True)
+    missing = f" (missing, left out: {report['missing']})" if report["missing"] else ""
+    print(f"[scale] merged {len(report['merged_from'])} JSONs into {path}{missing}\n"
+          + rep.format_table(report), flush=True)
     return report
 
 

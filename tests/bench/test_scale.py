@@ -124,6 +124,7 @@ def test_report_speedups_best_config_and_merge(scale, tmp_path):
     assert z["vs_fsdp2_bf16_eager"] == pytest.approx(1.7) and z["vs_own_bf16"] == pytest.approx(1.36)
     assert z["vs_torchao"] == pytest.approx(170 / 150)
     t = merged["targets"]
+    assert merged["missing"] == [str(tmp_path / "missing.json")]
     assert t["best_config"] == "zero2_fp8" and t["vs_own_bf16"]["met"] is True
     assert t["vs_fsdp2_bf16_eager"]["met"] is False and t["vs_torchao"]["target"] == 1.05
     table = rep.format_table(merged)
