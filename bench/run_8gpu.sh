@@ -28,7 +28,8 @@
 # Settings: LLaMA2-7B/13B bs 2 x 4096 tokens per GPU (tp/pp replicas take 2 x tp x pp
 # sequences), pp2 with 1-sequence micro-batches (4 per step), warm-up 4, median of 10 steps.
 # Usage on the GPU machine: bash bench/run_8gpu.sh smoke 2 | 7b-zero | ... | 35b
-# RB8 / RB4: sequences per 35B replica (default 2 / 1). AC=1: activation checkpointing (35b).
+# NPROC=4: the same parts on 4 GPUs (issue 15's 4xH200 7B rows: tp2 x dp2, pp2 x dp2), JSON
+# named scale_4gpu_*. RB8 / RB4: sequences per 35B replica (default 2 / 1). AC=1: activation checkpointing (35b).
 # SMOKE_EXTRA adds arguments to the smoke runs (CPU check: SMOKE_EXTRA="--device cpu
 # --vocab-size 256 --seq-len 64 --no-compile" bash bench/run_8gpu.sh smoke 2).
 set -u
@@ -44,22 +45,23 @@ PY="${DRY:+echo }python3"  # DRY=1: print each command instead of running it (te
 filt() { if [ -n "${DRY:-}" ]; then cat; else grep -E "$1" | tail -"$2"; fi; }
 KEEP='^\[scale\] [a-z0-9_]+: |^\[scale\] (merged|JSON)|^config|^target|^[a-z0-9_]+ +(ok|NaN|oom|error|crashed|timeout|not_|skipped)|x[0-9]+, '
 S="$PY bench/scale.py"
-L7="--preset llama2-7b --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 --nproc 8 --compile"
+NP=${NPROC:-8}; G="scale_${NP}gpu"
+L7="--preset llama2-7b --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 --nproc $NP --compile"
 V="bf16 fp8 fp8_comm"
 fam() { local out=""; for v in $V; do out="$out,${1}_$v"; done; echo "${out#,}"; }
 
 part7() {  # part7 NAME CONFIGS
-  timeout 570 $S $L7 --config-timeout 180 --configs "$2" --output "$OUT/scale_8gpu_7b_$1.json" \
+  timeout 570 $S $L7 --config-timeout 180 --configs "$2" --output "$OUT/${G}_7b_$1.json" \
     2>&1 | filt "$KEEP" 20
 }
 merge7() {
-  $S --merge "$OUT"/scale_8gpu_7b_{base,zero,gemini,tp,pp}.json --scale 7b \
-    --output "$OUT/scale_8gpu_7b.json" 2>&1 | filt "$KEEP|Error" 30
+  $S --merge "$OUT"/${G}_7b_{base,zero,gemini,tp,pp}.json --scale 7b \
+    --output "$OUT/${G}_7b.json" 2>&1 | filt "$KEEP|Error" 30
 }
 part35() {  # part35 TP REPLICA_BATCH
   timeout 570 $S --preset command-r-35b --batch-size 1 --replica-batch "$2" --seq-len 4096 \
-    --warmup 3 --steps 8 --nproc 8 --compile --config-timeout 270 ${AC:+--activation-checkpointing} \
-    --configs "tp${1}sp_bf16,tp${1}sp_fp8" --output "$OUT/scale_8gpu_35b_tp$1.json" \
+    --warmup 3 --steps 8 --nproc $NP --compile --config-timeout 270 ${AC:+--activation-checkpointing} \
+    --configs "tp${1}sp_bf16,tp${1}sp_fp8" --output "$OUT/${G}_35b_tp$1.json" \
     2>&1 | filt "$KEEP" 20
 }
 
@@ -85,14 +87,14 @@ case "${1:-help}" in
     for p in base zero gemini tp pp; do bash "$0" "7b-$p"; done; merge7 ;;
   13b)
     timeout 570 $S --preset llama2-13b --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 \
-      --nproc 8 --compile --config-timeout 270 \
-      --best-of "$OUT/scale_8gpu_7b.json" "$OUT"/scale_8gpu_7b_{zero,gemini,tp,pp}.json \
-      --output "$OUT/scale_8gpu_13b.json" 2>&1 | filt "$KEEP" 12 ;;
+      --nproc $NP --compile --config-timeout 270 \
+      --best-of "$OUT/${G}_7b.json" "$OUT"/${G}_7b_{zero,gemini,tp,pp}.json \
+      --output "$OUT/${G}_13b.json" 2>&1 | filt "$KEEP" 12 ;;
   35b-tp8) part35 8 "${RB8:-2}" ;;
   35b-tp4) part35 4 "${RB4:-1}" ;;
   35b)
     part35 8 "${RB8:-2}"; part35 4 "${RB4:-1}"
-    $S --merge "$OUT"/scale_8gpu_35b_tp{8,4}.json --scale 35b --output "$OUT/scale_8gpu_35b.json" \
+    $S --merge "$OUT"/${G}_35b_tp{8,4}.json --scale 35b --output "$OUT/${G}_35b.json" \
       2>&1 | filt "$KEEP|Error" 12 ;;
   *) sed -n "2,/^set -u/p" "$0" | sed "$ d"; exit 2 ;;
 esac

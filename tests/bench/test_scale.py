@@ -55,11 +55,14 @@ def test_matrix_layouts_for_2_and_8_gpus(scale):
     assert "--compile" not in argv and argv[argv.index("--replica-batch") + 1] == "2"
 
 
-@pytest.mark.parametrize("part", ["smoke 2", "smoke 8", "7b", "13b", "35b"])
+@pytest.mark.parametrize("part", ["smoke 2", "smoke 8", "7b", "13b", "35b", "NPROC=4 7b"])
 def test_run_8gpu_parts_pass_validation(scale, part, tmp_path):
     """DRY=1 prints each part's commands; their arguments must pass scale.py's checks at the
-    world size each command launches (8, or N for smoke N)."""
+    world size each command launches (8, NPROC, or N for smoke N)."""
     env = dict(os.environ, DRY="1", OUT=str(tmp_path))
+    if part.startswith("NPROC="):
+        nproc, part = part.split(" ", 1)
+        env["NPROC"] = nproc.split("=")[1]
     out = subprocess.run(["bash", str(BENCH / "run_8gpu.sh"), *part.split()], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -79,7 +82,10 @@ def test_run_8gpu_parts_pass_validation(scale, part, tmp_path):
                     **{"7b": set(scale.MATRIX_7B), "13b": {"zero2_bf16", "zero2_fp8"},
                        "35b": set(scale.MATRIX_35B)})[part.split()[0]]
     assert expected <= names, (part, names)
-    if part == "7b":
+    if part == "7b" and env.get("NPROC") == "4":
+        assert ("tp2_fp8", 4, 2) in checked and ("pp2_fp8_comm", 4, 2) in checked
+        assert "scale_4gpu_7b_tp.json" in out.stdout
+    elif part == "7b":
         assert ("tp2_fp8", 8, 4) in checked and ("pp2_fp8_comm", 8, 4) in checked
     if part == "smoke 2":
         assert ("tp2_fp8", 2, 1) in checked and ("pp2_bf16", 2, 1) in checked
