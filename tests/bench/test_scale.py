@@ -163,3 +163,14 @@ def test_cpu_gloo_hybrid_and_pipeline_configs(tmp_path):
     if pp["status"] == "ok":
         assert (pp["pp"], pp["dp"], pp["microbatches"]) == (2, 1, 4) and pp["finite"]
     assert report["model"]["arch"] == "llama" and "tp2sp_fp8_comm" in proc.stdout
+
+
+def test_not_implemented_is_recorded_as_not_available(scale, monkeypatch):
+    """A config the library cannot run yet (pp before it lands) is a row, not a crash."""
+    def no_pp(*_a, **_k):
+        raise NotImplementedError("pp_size=2: pipeline parallelism is not implemented yet")
+    monkeypatch.setattr(scale, "measure", no_pp)
+    args = scale.parse_args(["--configs", "pp2_bf16", "--device", "cpu"])
+    row = scale.run_config("pp2_bf16", args, scale.torch.device("cpu"), 0, 1,
+                           dict(flops_per_token=1))
+    assert row["status"] == "not_available" and "not implemented" in row["error"]
