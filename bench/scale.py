@@ -32,7 +32,12 @@ Usage (see bench/run_8gpu.sh for the issue's parts)::
 
     python bench/scale.py --preset llama2-7b --nproc 8 --compile --configs zero2_bf16,zero2_fp8
     python bench/scale.py --merge a.json b.json --scale 7b --output all.json   # one table
-    torchrun --nproc_per_node=2 bench/scale.py --device cpu --preset tiny --configs tp2_fp8,pp2_bf16
+    torchrun --nproc_per_node=2 bench/scale.py --device cpu --preset tiny --vocab-size 256 \
+        --seq-len 64 --configs tp2_fp8,pp2_bf16     # CPU check (BF16 matmuls are slow on CPU)
+
+``--activation-checkpointing`` is a memory fallback (the recompute is not in TFLOP/s or MFU).
+With ``--isolate`` each row also records ``process_wall_s``: its torchrun's wall time (start-up,
+build, compile and steps), to size later runs.
 """
 from __future__ import annotations
 
