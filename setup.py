@@ -19,6 +19,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "dev": ["pytest>=8", "expecttest", "matplotlib"],
+        # tensorboard: the example's --tensorboard (its test writes real event files)
+        "dev": ["pytest>=8", "expecttest", "matplotlib", "tensorboard"],
     },
 )

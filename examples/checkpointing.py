@@ -7,14 +7,24 @@ Layout of one checkpoint (``<save_dir>/step_00000100/``)::
     optimizer/          booster.save_optimizer (sharded for ZeRO; loads into any world size)
     lr_scheduler.pt     booster.save_lr_scheduler
     rng/rank<r>.pt      torch CPU (+ CUDA) RNG state of each rank
-    trainer_state.json  step, tokens seen, world size, out_dir, seed (written last)
+    trainer_state.json  step, data position, tokens seen, world size, out_dir, seed, and the
+                        SHA-256 of lr_scheduler.pt and rng/* (written last)
+
+Every file is checksummed: ``model/`` and ``optimizer/`` in their own index (the library does
+it), the rest in ``trainer_state.json``. Loading verifies them on every rank before reading,
+so a truncated or altered file fails with an error naming it on all ranks alike.
 
 A checkpoint is written into ``step_N.partial/`` and renamed to ``step_N/`` by rank 0 only
 after every rank finished (a barrier), then ``<save_dir>/latest`` is replaced atomically. A run
 killed mid-save therefore leaves the previous checkpoint and ``latest`` intact.
 
-The data position needs no state of its own: batches are a pure function of
-``(seed, rank, step, micro_step)`` (see ``data.TokenWindows``), so the step is the position.
+The data position is the step: batches are a pure function of ``(seed, rank, step,
+micro_step)`` (see ``data.TokenWindows``). ``trainer_state.json`` records it with what defines
+the stream (``data_position``); a resume that changes any of those is warned about.
+
+``--resume auto`` takes :func:`complete_checkpoints` newest first (the library's
+``latest_checkpoint`` rule: ``*.partial`` and hidden temp folders are skipped) and falls back
+to the next one when a checkpoint fails verification.
 """
 from __future__ import annotations
 
@@ -26,6 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fp8boost.plugins.checkpoint_io import complete_checkpoints as _complete
+from fp8boost.plugins.checkpoint_io import formats as cio
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -55,14 +68,34 @@ def save_checkpoint(booster, model, optimizer, lr_scheduler, save_dir: Path, ste
         shutil.rmtree(partial, ignore_errors=True)  # leftovers of a save that died
         (partial / "rng").mkdir(parents=True, exist_ok=True)
     _barrier()
-    # Collective calls: every rank enters each (ZeRO ranks write their own optimizer shards).
-    booster.save_model(model, str(partial / "model"), shard=True)
-    booster.save_optimizer(optimizer, str(partial / "optimizer"))
-    booster.save_lr_scheduler(lr_scheduler, str(partial / "lr_scheduler.pt"))
-    torch.save(_rng_state(device), partial / "rng" / f"rank{rank}.pt")
-    _barrier()
+    try:
+        # Collective calls: every rank enters each (ZeRO ranks write their own shards). A
+        # failure (a full disk) raises the library's CheckpointSaveError on every rank alike.
+        booster.save_model(model, str(partial / "model"), shard=True)
+        booster.save_optimizer(optimizer, str(partial / "optimizer"))
+        booster.save_lr_scheduler(lr_scheduler, str(partial / "lr_scheduler.pt"))
+        failure = None
+        try:
+            torch.save(_rng_state(device), partial / "rng" / f"rank{rank}.pt")
+        except OSError as exc:
+            failure = exc
+        cio.raise_if_failed(str(partial), failure, _group())  # all ranks alike, no hang
+        # Collective too: the hashing is spread over the ranks.
+        sums = cio.checksum_files(str(partial), _own_files(partial, rank), _group())
+    except OSError as exc:  # raised on every rank alike (see raise_if_failed)
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous = latest_complete(save_dir)
+        kept = (f"the previous checkpoint {previous} is intact (--resume auto or --resume "
+                f"{save_dir} continues from it)" if previous else "no earlier checkpoint exists")
+        message = (f"saving the checkpoint of step {step} failed ({exc}); {kept}. Free disk "
+                   "space or pass another --save-dir")
+        code = getattr(exc, "errno", None)
+        raise (cio.CheckpointSaveError(code, message) if code else
+               cio.CheckpointSaveError(message)) from exc
     if rank == 0:
         state = dict(trainer_state, step=step)
+        state[cio.CHECKSUM_KEY] = {"algorithm": "sha256", "files": sums}
         _write_atomic(partial / STATE_FILE, json.dumps(state, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -70,6 +103,18 @@ def save_checkpoint(booster, model, optimizer, lr_scheduler, save_dir: Path, ste
         _write_atomic(save_dir / LATEST_FILE, final.name)
     _barrier()
     return final
+
+
+def _group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _own_files(partial: Path, rank: int) -> list[str]:
+    """The files beside ``model/`` and ``optimizer/`` (those carry their own checksums),
+    listed identically on every rank."""
+    del rank  # the listing must not depend on the rank: checksum_files splits it
+    names = ["lr_scheduler.pt"] + sorted(f"rng/{p.name}" for p in (partial / "rng").iterdir())
+    return names
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -97,6 +142,27 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                      "written by --save-every")
 
 
+def complete_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of ``save_dir`` (holding ``trainer_state.json``), newest first."""
+    return _complete(save_dir, marker=STATE_FILE)
+
+
+def latest_complete(save_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of ``save_dir``, or None."""
+    found = complete_checkpoints(save_dir)
+    return found[0] if found else None
+
+
+def warn_if_stream_changed(state: dict[str, Any], now: dict[str, Any]) -> None:
+    """Say so when the resumed run's batches differ from those the saved run would have seen
+    (a changed seed, data, sequence length, ... is allowed, but it is no continuation)."""
+    saved = state.get("data_position") or {}
+    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        print(f"[train] note: the data stream differs from the saved run's ({', '.join(changed)}):"
+              " training continues on other batches than an uninterrupted run would", flush=True)
+
+
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     """The JSON trainer state of a checkpoint folder."""
     return json.loads((ckpt / STATE_FILE).read_text())
@@ -109,7 +175,8 @@ def load_checkpoint(booster, model, optimizer, lr_scheduler, ckpt: Path, rank: i
     A rank with no RNG file (resuming into a larger world size) keeps its fresh seed and says so.
     """
     state = read_trainer_state(ckpt)
-    booster.load_model(model, str(ckpt / "model"))
+    cio.verify_checksums(str(ckpt), _group())  # lr_scheduler.pt and rng/* (collective)
+    booster.load_model(model, str(ckpt / "model"))  # each load verifies its own files first
     booster.load_optimizer(optimizer, str(ckpt / "optimizer"))
     booster.load_lr_scheduler(lr_scheduler, str(ckpt / "lr_scheduler.pt"))
     rng_file = ckpt / "rng" / f"rank{rank}.pt"

@@ -103,6 +103,36 @@ def default_data_path() -> Path:
     return Path(str(importlib.resources.files("fp8boost") / "data" / "sample.txt"))
 
 
+def check_length(n_tokens: int, seq_len: int, source: str | Path) -> None:
+    """Reject a corpus too short for one window: it needs ``seq_len + 1`` tokens.
+
+    Raises:
+        ValueError: naming the file, its length and the length required.
+    """
+    if n_tokens <= seq_len:
+        what = "is empty" if n_tokens == 0 else f"has {n_tokens} tokens"
+        raise ValueError(f"the data {str(source)!r} {what}; training needs at least "
+                         f"{seq_len + 1} tokens (--seq-len {seq_len} + 1) in one text: use a "
+                         "longer --data file or a smaller --seq-len")
+
+
+def check_token_range(tokens: torch.Tensor, vocab_size: int, source: str | Path) -> None:
+    """Every id of the corpus must lie in ``[0, vocab_size)`` (checked once, at load).
+
+    Raises:
+        ValueError: naming the largest bad id and the fix.
+    """
+    if tokens.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(tokens.long() if tokens.dtype == torch.uint8
+                                                else tokens))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"the data {str(source)!r} holds token id {bad}, outside the model's "
+                         f"vocabulary [0, {vocab_size}): pass the model's own --tokenizer, or a "
+                         "model whose vocabulary covers this tokenizer")
+
+
 class TokenWindows:
     """Random contiguous windows of ``seq_len`` tokens from one long token stream.
 
@@ -121,9 +151,7 @@ class TokenWindows:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        if tokens.numel() <= seq_len:
-            raise ValueError(f"the text has {tokens.numel()} tokens, not more than --seq-len "
-                             f"{seq_len}; use a longer --data file or a smaller --seq-len")
+        check_length(tokens.numel(), seq_len, "text")
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed

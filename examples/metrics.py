@@ -167,6 +167,39 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path, title: str = "") -> Option
     return png_path
 
 
+def check_tensorboard() -> None:
+    """Raise a ValueError naming the fix when ``--tensorboard`` cannot work here."""
+    try:
+        import tensorboard  # noqa: F401 - torch.utils.tensorboard needs this package
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--tensorboard needs the tensorboard package ({exc}); pip install "
+                         "tensorboard, or drop --tensorboard (metrics.jsonl and loss.png hold "
+                         "the same numbers)") from exc
+
+
+class TensorBoardWriter:
+    """Scalars to ``<out-dir>/tensorboard`` (rank 0 only; a no-op when disabled)."""
+
+    def __init__(self, log_dir: Path, enabled: bool = True) -> None:
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def scalars(self, step: int, values: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if isinstance(value, (int, float)) and value is not None:
+                self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
 class StepTimer:
     """Wall time of one optimizer step; on CUDA it synchronizes first so the GPU's queued
     work is counted in the step that issued it."""

@@ -15,6 +15,10 @@ on a 2-core CPU in about a minute::
     # continue from ckpt/latest (any world size; same preset, batches are a function of step)
     torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
         --use-fp8 --data ../shared/data/shakespeare.txt --resume ckpt --steps 2000
+    # survive a crashed rank: torchrun restarts the job, which resumes from its newest
+    # complete checkpoint (bit-exact on CPU/gloo)
+    torchrun --nproc_per_node=2 --max-restarts 3 examples/train_llama.py --plugin zero2 \\
+        --out-dir runs/a --save-every 50 --resume auto
 
 Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``summary.json``,
 ``run_config.json`` and ``loss.png`` (when matplotlib is installed). ``--plugin none`` uses
@@ -49,8 +53,11 @@ if str(_HERE.parent) not in sys.path and (_HERE.parent / "fp8boost").is_dir():
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from fp8boost.batch_checks import check_lm_batch  # noqa: E402
+
 import checkpointing  # noqa: E402
 import data as data_lib  # noqa: E402
+import faults  # noqa: E402
 import metrics as metrics_lib  # noqa: E402
 import presets  # noqa: E402
 
@@ -125,7 +132,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint interval; 0: never")
     g.add_argument("--save-dir", default=None, help="default: <out-dir>/checkpoints")
-    g.add_argument("--resume", default=None, help="checkpoint folder, or a save dir (latest)")
+    g.add_argument("--resume", default=None,
+                   help="checkpoint folder, a save dir (its latest), or 'auto': the newest "
+                        "complete checkpoint in --save-dir (default <out-dir>/checkpoints) if "
+                        "any, else a fresh start; for torchrun --max-restarts")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also log to TensorBoard (<out-dir>/tensorboard; needs tensorboard)")
+    g = p.add_argument_group("faults")
+    g.add_argument("--no-nonfinite-guard", action="store_true",
+                   help="do not skip optimizer steps with a NaN/Inf loss or gradient (the "
+                        "example then stops at the first non-finite loss, after the step)")
+    g.add_argument("--max-bad-steps", type=int, default=3,
+                   help="non-finite steps in a row that stop training (each one is skipped)")
+    g.add_argument("--simulate-crash", default=None, metavar="STEP[:RANK[:ATTEMPT]]",
+                   help="fault drill: RANK (default: the last) exits mid-step (after backward) "
+                        "at STEP, only in torchrun attempt ATTEMPT (default 0, i.e. "
+                        "TORCHELASTIC_RESTART_COUNT=0)")
     args = p.parse_args(argv)
     if args.model is not None and args.model_path is not None:
         p.error("pass --model (a family built from --preset) or --model-path, not both")
@@ -174,6 +196,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
     if args.data is not None and not Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is not a file")
+    if args.data is not None and args.tokenizer is None and not args.model_path:
+        # Byte-level tokenizer: one token per byte, so the size is known before any work.
+        data_lib.check_length(Path(args.data).stat().st_size, args.seq_len, args.data)
+    if args.max_bad_steps < 1:
+        raise ValueError(f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
+    if args.simulate_crash is not None:
+        faults.parse_crash(args.simulate_crash, world_size)
+    if args.tensorboard:
+        metrics_lib.check_tensorboard()
     if args.model_path is not None:
         check_model_folder(args.model_path)
     if args.resume is not None:
@@ -221,9 +252,34 @@ def check_model_folder(path: str) -> Path:
     return folder
 
 
+def save_dir_of(args: argparse.Namespace, out_dir: Optional[Path]) -> Optional[Path]:
+    """Where checkpoints go: ``--save-dir``, else ``<out-dir>/checkpoints``."""
+    if args.save_dir:
+        return Path(args.save_dir)
+    return out_dir / "checkpoints" if out_dir is not None else None
+
+
 def check_resume(args: argparse.Namespace) -> None:
-    """The checkpoint must be complete, before ``--steps`` and of the same model."""
-    state = checkpointing.read_trainer_state(checkpointing.resolve_checkpoint(args.resume))
+    """The checkpoint must be complete, before ``--steps`` and of the same model.
+
+    ``--resume auto`` needs a fixed folder (``--out-dir`` or ``--save-dir``: a restarted job
+    must find what the dead one saved); with no checkpoint there yet it starts afresh, and a
+    run whose newest checkpoint is at ``--steps`` is already finished (nothing to check).
+    """
+    if args.resume == "auto":
+        folder = save_dir_of(args, Path(args.out_dir) if args.out_dir else None)
+        if folder is None:
+            raise ValueError("--resume auto looks for checkpoints in --save-dir (default "
+                             "<out-dir>/checkpoints): pass --out-dir or --save-dir, the same in "
+                             "every launch")
+        found = checkpointing.complete_checkpoints(folder)
+        if not found:
+            return
+        state = checkpointing.read_trainer_state(found[0])
+        if state["step"] >= args.steps:
+            return  # finished: train() says so and exits
+    else:
+        state = checkpointing.read_trainer_state(checkpointing.resolve_checkpoint(args.resume))
     if state["step"] >= args.steps:
         raise ValueError(f"the checkpoint is at step {state['step']}, not before --steps "
                          f"{args.steps}; raise --steps to train further")
@@ -252,14 +308,12 @@ def rank_and_device(device_arg: str) -> tuple[int, int, torch.device]:
 
 def start_process_group(world_size: int, device: torch.device) -> None:
     """Join torchrun's process group (NCCL on GPU, gloo on CPU) with a timeout, so a crashed
-    peer ends the job instead of hanging it."""
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(minutes=10)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
+    peer ends the job instead of hanging it. The library's ``init_distributed`` also re-forms
+    the group after a ``torchrun --max-restarts`` restart (a store prefix per attempt)."""
+    from fp8boost.plugins import init_distributed
+
+    init_distributed("nccl" if device.type == "cuda" else "gloo", timeout_s=600.0,
+                     device=device if device.type == "cuda" else None)
 
 
 def make_booster(args: argparse.Namespace, device: torch.device):
@@ -280,10 +334,14 @@ def make_booster(args: argparse.Namespace, device: torch.device):
             # speed to lose on small layers. Convert them all so the demo really runs FP8.
             min_numel = 0
         fp8_config = Fp8Config() if min_numel is None else Fp8Config(min_numel=min_numel)
+    from fp8boost.parallel.nonfinite import NonFiniteGuard
+
+    guard = NonFiniteGuard(max_consecutive=args.max_bad_steps,
+                           enabled=not args.no_nonfinite_guard)
     if args.plugin == "none":
         mp = MixedPrecision("fp8", fp8_config) if args.use_fp8 else args.precision
-        return Booster(mixed_precision=mp, device=device)
-    return Booster(plugin=make_plugin(args, fp8_config), device=device)
+        return Booster(mixed_precision=mp, device=device, nonfinite_guard=guard)
+    return Booster(plugin=make_plugin(args, fp8_config), device=device, nonfinite_guard=guard)
 
 
 def make_plugin(args: argparse.Namespace, fp8_config):
@@ -440,6 +498,7 @@ def load_corpus(args: argparse.Namespace, seq_len: int):
     tokenizer = data_lib.load_tokenizer(tok_path)
     path = args.data if args.data is not None else data_lib.default_data_path()
     tokens = tokenizer.encode_file(path)
+    data_lib.check_length(tokens.numel(), seq_len, path)  # every rank alike: no collective yet
     train, val = data_lib.split_train_val(tokens, args.val_fraction, seq_len)
     train_windows = data_lib.TokenWindows(train, seq_len, seed=args.seed)
     # Validation uses a different seed stream so it never mirrors the training draws.
@@ -469,6 +528,7 @@ def evaluate(model, windows, args, rank: int, world_size: int, device: torch.dev
     total = 0.0
     for i in range(args.eval_batches):
         batch = windows.batch(step=i, micro_step=0, rank=rank, batch_size=args.batch_size)
+        check_lm_batch(batch, batch, model.config.vocab_size)  # host-side, ~us: before kernels
         batch = batch.to(device)
         total += float(model(input_ids=batch, labels=batch).loss)
     model.train()
@@ -486,13 +546,17 @@ def train_step(run: "Run", args: argparse.Namespace, step: int, rank: int,
     booster, model, optimizer = run.booster, run.model, run.optimizer
     loss_sum = 0.0
     for micro in range(args.grad_accum):
-        batch = run.train_windows.batch(step, micro, rank, args.batch_size).to(device)
+        batch = run.train_windows.batch(step, micro, rank, args.batch_size)
+        # Host-side, before any kernel or collective (a few us per batch; see batch_checks).
+        check_lm_batch(batch, batch, run.vocab_size)
+        batch = batch.to(device)
         last = micro == args.grad_accum - 1
         sync = contextlib.nullcontext() if last else booster.no_sync(model, optimizer)
         with sync:
             loss = model(input_ids=batch, labels=batch).loss / args.grad_accum
             booster.backward(loss, optimizer)
         loss_sum += float(loss.detach())
+    faults.maybe_crash(args.simulate_crash, step, rank)  # fault drill: dies mid-step
     grad_norm = clip_gradients(booster, model, optimizer, args)
     optimizer.step()
     optimizer.zero_grad()
@@ -539,6 +603,8 @@ class RunLogger:
     def __init__(self, out_dir: Path, args: argparse.Namespace, start_step: int, enabled: bool,
                  flops_per_token: int, world_size: int) -> None:
         self.writer = metrics_lib.MetricsWriter(out_dir / "metrics.jsonl", enabled=enabled)
+        self.tensorboard = metrics_lib.TensorBoardWriter(
+            out_dir / "tensorboard", enabled=enabled and args.tensorboard)
         self.progress = metrics_lib.Progress(args.steps, initial=start_step,
                                              enabled=enabled and not args.no_progress,
                                              print_every=args.log_every)
@@ -550,8 +616,12 @@ class RunLogger:
         self.t0 = time.perf_counter()
 
     def step(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
-             seconds: float, mem_gib: float) -> None:
+             seconds: float, mem_gib: float, skipped: bool = False) -> None:
         self.step_times.append(seconds)
+        if skipped:  # a non-finite step the guard skipped: logged, kept out of the summary
+            self.writer.write(dict(kind="train", step=step, loss=None, skipped=True, lr=lr))
+            self.progress.write(f"[train] step {step}: non-finite loss/gradient, step skipped")
+            return
         self.losses.append(loss)
         tok_s = self.tokens_per_step / seconds
         tflops = self.flops_per_token * tok_s / self.world_size / 1e12
@@ -560,6 +630,9 @@ class RunLogger:
                       tokens_per_s=tok_s, tflops_per_device=tflops, peak_mem_gib=mem_gib,
                       elapsed_s=time.perf_counter() - self.t0)
         self.writer.write(record)
+        self.tensorboard.scalars(step, {"train/loss": loss, "train/lr": lr,
+                                        "train/grad_norm": grad_norm, "perf/tokens_per_s": tok_s,
+                                        "perf/peak_mem_gib": mem_gib})
         recent = self.step_times[-10:]
         smooth_tok_s = self.tokens_per_step * len(recent) / sum(recent)
         self.progress.update(step, {
@@ -569,11 +642,13 @@ class RunLogger:
 
     def eval(self, step: int, val_loss: float) -> None:
         self.writer.write(dict(kind="eval", step=step, val_loss=val_loss))
+        self.tensorboard.scalars(step, {"eval/loss": val_loss})
         self.progress.write(f"[train] step {step}: validation loss {val_loss:.4f}")
 
     def close(self) -> None:
         self.progress.close()
         self.writer.close()
+        self.tensorboard.close()
 
 
 def announce(logger: RunLogger, message: str) -> None:
@@ -620,6 +695,7 @@ class Run:
     resume_state: Optional[dict]
     n_params: int
     flops_per_token: int
+    vocab_size: int = 0  # the model's: every token id must be below it
 
 
 def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
@@ -632,6 +708,12 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     model = build_model(args, tokenizer.vocab_size, max_pos,
                         torch.device("meta") if lazy else device)
     prepare_model(model, args)
+    vocab_size = model.config.vocab_size
+    # Once per corpus (same on every rank, before any collective): later batches are slices.
+    source = args.data if args.data is not None else "the shipped sample"
+    data_lib.check_token_range(train_windows.tokens, vocab_size, source)
+    if val_windows is not None:
+        data_lib.check_token_range(val_windows.tokens, vocab_size, source)
     # Count before boosting: plugins may wrap the model or flatten its parameters.
     n_params = sum(p.numel() for p in model.parameters())
     fpt = metrics_lib.flops_per_token(metrics_lib.matmul_params(model),
@@ -644,15 +726,71 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     booster = make_booster(args, device)
     model, optimizer, _, _, lr_scheduler = booster.boost(model, optimizer,
                                                          lr_scheduler=lr_scheduler)
-    if lazy and args.resume is None:
+    resume_state = restore(args, booster, model, optimizer, lr_scheduler, rank, device)
+    if lazy and resume_state is None:  # a fresh start (--resume auto may find nothing)
         booster.load_model(model, args.model_path)
-    resume_state = None
-    if args.resume is not None:
-        ckpt = checkpointing.resolve_checkpoint(args.resume)
-        resume_state = checkpointing.load_checkpoint(booster, model, optimizer, lr_scheduler,
-                                                     ckpt, rank, device)
     return Run(booster, model, optimizer, lr_scheduler, train_windows, val_windows,
-               resume_state, n_params, fpt)
+               resume_state, n_params, fpt, vocab_size)
+
+
+def resume_candidates(args: argparse.Namespace) -> list[Path]:
+    """Checkpoints to try, in order: ``--resume DIR`` alone, or for ``--resume auto`` every
+    complete checkpoint of the save dir, newest first (none: a fresh start)."""
+    if args.resume is None:
+        return []
+    if args.resume != "auto":
+        return [checkpointing.resolve_checkpoint(args.resume)]
+    return checkpointing.complete_checkpoints(
+        save_dir_of(args, Path(args.out_dir) if args.out_dir else None))
+
+
+def restore(args: argparse.Namespace, booster, model, optimizer, lr_scheduler, rank: int,
+            device: torch.device) -> Optional[dict]:
+    """Load the checkpoint to resume from; returns its trainer state (None: fresh start).
+
+    With ``--resume auto`` a checkpoint that fails verification (a truncated or altered file:
+    the error is the same on every rank) is skipped for the next older one, with a message.
+    """
+    from fp8boost.plugins.checkpoint_io import CheckpointCorruptError
+
+    candidates = resume_candidates(args)
+    for i, ckpt in enumerate(candidates):
+        try:
+            state = checkpointing.load_checkpoint(booster, model, optimizer, lr_scheduler,
+                                                  ckpt, rank, device)
+        except CheckpointCorruptError as exc:
+            if args.resume != "auto" or i + 1 == len(candidates):
+                raise
+            if rank == 0:
+                print(f"[train] {exc}\n[train] --resume auto: trying the older checkpoint "
+                      f"{candidates[i + 1]}", flush=True)
+            continue
+        if rank == 0:
+            print(f"[train] resumed from {ckpt} (step {state['step']})", flush=True)
+            checkpointing.warn_if_stream_changed(state, data_position(args))
+        return state
+    return None
+
+
+def data_position(args: argparse.Namespace) -> dict[str, Any]:
+    """What defines the batch stream besides the step (batches are a function of these)."""
+    return dict(seed=args.seed, data=args.data, seq_len=args.seq_len,
+                batch_size=args.batch_size, grad_accum=args.grad_accum,
+                val_fraction=args.val_fraction, tokenizer=args.tokenizer)
+
+
+def finished_already(args: argparse.Namespace, rank: int) -> bool:
+    """``--resume auto`` after the run completed (its newest checkpoint is at ``--steps``):
+    a restart has nothing left to do."""
+    if args.resume != "auto":
+        return False
+    found = resume_candidates(args)
+    if not found or checkpointing.read_trainer_state(found[0])["step"] < args.steps:
+        return False
+    if rank == 0:
+        print(f"[train] --resume auto: {found[0]} is at step {args.steps} = --steps; the run "
+              "is complete, nothing to do (raise --steps to train further)", flush=True)
+    return True
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -662,6 +800,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank != 0:
         for message in RANK0_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
+    if finished_already(args, rank):
+        return {}
     if world_size > 1:  # plain python: the plugins start a one-process group themselves
         start_process_group(world_size, device)
     run = setup(args, rank, device)
@@ -678,6 +818,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
               f"world_size={world_size} device={device} start_step={start_step} "
               f"out_dir={out_dir}", flush=True)
     logger = RunLogger(out_dir, args, start_step, rank == 0, run.flops_per_token, world_size)
+    guard = getattr(run.optimizer, "nonfinite_guard", None)
+    if guard is not None:
+        guard.step = start_step  # its warnings name the training step
     timer = metrics_lib.StepTimer(device)
     run.model.train()
     val_loss = None
@@ -688,10 +831,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         seconds = timer.end()
         (loss,), (seconds, mem) = reduce_mean_max(
             [loss], [seconds, metrics_lib.peak_memory_gib(device)], world_size, device)
-        if not math.isfinite(loss):
+        skipped = guard is not None and step in guard.skipped[-1:]
+        if not math.isfinite(loss) and not skipped:  # guard off: the step was applied
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or use "
                                      "--precision bf16")
-        logger.step(step, loss, grad_norm, lr, seconds, mem)
+        logger.step(step, loss, grad_norm, lr, seconds, mem, skipped)
         if run.val_windows is not None and args.eval_every and step % args.eval_every == 0:
             val_loss = evaluate(run.model, run.val_windows, args, rank, world_size, device)
             logger.eval(step, val_loss)
@@ -700,6 +844,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                          tokens=step * logger.tokens_per_step, preset=args.preset,
                          model=args.model, model_path=args.model_path,
                          tokenizer=args.tokenizer)
+            state["data_position"] = dict(data_position(args), next_step=step + 1)
             saved = checkpointing.save_checkpoint(run.booster, run.model, run.optimizer,
                                                   run.lr_scheduler, save_dir, step, state,
                                                   rank, device)

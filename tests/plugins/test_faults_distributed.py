@@ -155,10 +155,43 @@ def _corrupt_and_load(rank: int, directory: str, load, label: str) -> None:
         dist.barrier()
 
 
+def _unverified_shard_error(booster, opt, rank: int, path: str) -> None:
+    """Issue 13: a truncated ZeRO shard that only rank 1 reads gave rank 0 a gloo peer error.
+    Without checksums (older checkpoints) every rank must still get the error naming it."""
+    import json
+
+    from fp8boost.plugins.checkpoint_io import formats as cio
+
+    booster.save_optimizer(opt, path)
+    shard = os.path.join(path, "optimizer-rank00001-of-00002.safetensors")
+    if rank == 0:
+        index = os.path.join(path, cio.OPTIM_INDEX)
+        data = json.load(open(index))
+        del data[cio.CHECKSUM_KEY]
+        json.dump(data, open(index, "w"))
+        os.truncate(shard, os.path.getsize(shard) - 100)
+    dist.barrier()
+    with pytest.raises((OSError, ValueError), match=re.escape(shard) + ".*truncated or corrupt"):
+        booster.load_optimizer(opt, path)
+
+
 def _faults(rank: int, world: int, root: str) -> dict:
     from fp8boost.booster import Booster
     from fp8boost.parallel.nonfinite import NonFiniteError, NonFiniteGuard, NonFiniteStepWarning
     from fp8boost.plugins.checkpoint_io import CheckpointSaveError
+
+    from fp8boost import _state
+
+    # Issue 13: a library warning whose condition is the same on every rank prints once per
+    # job (rank 0), not once per rank; every rank still records the key.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _state.warn_once("faults-test-once", "fp8boost: same on every rank")
+        _state.warn_once("faults-test-once", "fp8boost: same on every rank")
+        _state.warn_once("faults-test-all", "fp8boost: rank-specific", all_ranks=True)
+    texts = [str(w.message) for w in caught]
+    assert texts == (["fp8boost: same on every rank"] if rank == 0 else []) + \
+        ["fp8boost: rank-specific"], texts
 
     report = {}
     for name in PLUGINS:
@@ -212,6 +245,8 @@ def _faults(rank: int, world: int, root: str) -> dict:
         assert not [d for d in os.listdir(os.path.dirname(state)) if ".tmp-" in d]
         assert booster.load_checkpoint(state, model, opt) == {"step": 3}
         assert _same(trained, _snapshot(model, opt)), f"{name}: previous checkpoint changed"
+        if name == "zero2":  # an older checkpoint without checksums: rank 1's shard truncated
+            _unverified_shard_error(booster, opt, rank, os.path.join(root, name, "optim"))
         # ------------------------------------------- K consecutive bad steps stop training
         _step(booster, model, opt, 5, rank, dp_rank, dp, poison)  # bad 1 of 2: skipped
         with pytest.raises(NonFiniteError, match=r"2 optimizer steps in a row \(5-6\)"):

@@ -185,5 +185,5 @@ class GeneralCheckpointIO(CheckpointIO):
         cio._check_optimizer(optimizer)
         # Collective: ranks read different shards, so one bad shard must stop every rank here.
         cio.verify_checksums(os.fspath(path), self.group)
-        cio.read_optimizer(optimizer, os.fspath(path))
+        cio.read_optimizer(optimizer, os.fspath(path), self.group)
 

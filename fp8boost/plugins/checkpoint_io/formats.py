@@ -524,8 +524,31 @@ def _restore_types(saved_groups: list[dict], current_groups: list[dict]) -> list
     return out
 
 
-def read_optimizer(optimizer, directory: str) -> None:
-    """Load optimizer state saved by any world size into this rank's layout."""
+def _agreed_read(fn: Callable[[], None], group, directory: str) -> None:
+    """Run a read on every rank; if it fails on any, every rank raises that rank's error."""
+    failure: Optional[BaseException] = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the peers must hear of it first
+        failure = e
+    if _all_ok(failure is None, group):
+        return
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports = [mine]
+    if _active(group):
+        reports = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, mine, group=group)
+    rank, why = next((r, m) for r, m in enumerate(reports) if m is not None)
+    if failure is not None and isinstance(failure, (OSError, ValueError)):
+        raise failure
+    raise CheckpointCorruptError(f"loading {directory} failed on rank {rank}: {why}")
+
+
+def read_optimizer(optimizer, directory: str, group=None) -> None:
+    """Load optimizer state saved by any world size into this rank's layout.
+
+    ``group``: the ranks loading together (a read error on one raises on all).
+    """
     _require(directory, "optimizer", OPTIM_INDEX)
     with open(os.path.join(directory, OPTIM_INDEX)) as f:
         index = json.load(f)
@@ -559,11 +582,18 @@ def read_optimizer(optimizer, directory: str) -> None:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     sharded, replicated = {}, {}
-    rep_file = _open_checked(os.path.join(directory, OPTIM_REPLICATED),
-                             lambda p: safe_open(p, "pt"))
-    for i, (meta, s) in enumerate(zip(metas, layout)):
-        sharded[i] = {k: piece(i, k, s.start, s.end) for k in meta["sharded"]}
-        replicated[i] = dict(meta["replicated_values"])
-        replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}") for k in meta["replicated_tensors"]})
+
+    def read() -> None:
+        rep_file = _open_checked(os.path.join(directory, OPTIM_REPLICATED),
+                                 lambda p: safe_open(p, "pt"))
+        for i, (meta, s) in enumerate(zip(metas, layout)):
+            sharded[i] = {k: piece(i, k, s.start, s.end) for k in meta["sharded"]}
+            replicated[i] = dict(meta["replicated_values"])
+            replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}")
+                                  for k in meta["replicated_tensors"]})
+
+    # Ranks read different shards: a bad one (in a checkpoint without checksums) must stop
+    # every rank here with its name, before load_checkpoint_state's collectives.
+    _agreed_read(read, group, directory)
     groups = _restore_types(index["param_groups"], optimizer.param_groups)
     optimizer.load_checkpoint_state(sharded, replicated, groups, index.get("extra", {}))

@@ -1,0 +1,54 @@
+"""torchrun entry point of test_faults.py: every plugin's run of the example is killed once.
+
+Launched as ``torchrun --nproc_per_node 2 --max-restarts P fault_driver.py ROOT STEPS SAVE
+CRASH PLUGIN...`` (P = number of plugins). In each attempt this process joins the job once
+(through the library's ``init_distributed``, which re-forms the group after a restart) and
+then, for every plugin ``i`` in order, runs the example's ``train()`` twice with
+``--resume auto``:
+
+* ``ROOT/<plugin>-ref``: uninterrupted (finished runs return at once in later attempts);
+* ``ROOT/<plugin>-crash``: with ``--simulate-crash CRASH:1:i``: rank 1 exits mid-step at step
+  CRASH in torchrun attempt ``i`` only. torchrun restarts the job (attempt i + 1), which skips
+  the finished runs and resumes this one from its newest complete checkpoint.
+
+So each plugin is killed in a real process death + restart, and one launch pays the start-up
+of P + 1 attempts instead of two launches per plugin. The test compares the final checkpoints.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+import train_llama  # noqa: E402
+
+FAST = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3",
+        "--warmup-steps", "2", "--no-progress", "--eval-batches", "1", "--eval-every", "0",
+        "--val-fraction", "0"]
+EXTRA = {"zero2": ["--use-fp8"], "hybrid": ["--tp", "2"]}
+if importlib.util.find_spec("tensorboard") is not None:  # installed by the dev extra
+    EXTRA["ddp"] = ["--tensorboard"]
+
+
+def main() -> None:
+    out, steps, save, crash, *plugins = sys.argv[1:]
+    for i, plugin in enumerate(plugins):
+        common = FAST + ["--plugin", plugin, "--steps", steps, "--resume", "auto",
+                         *EXTRA.get(plugin, [])]
+        train_llama.train(train_llama.parse_args(
+            common + ["--out-dir", f"{out}/{plugin}-ref", "--save-every", steps]))
+        train_llama.train(train_llama.parse_args(
+            common + ["--out-dir", f"{out}/{plugin}-crash", "--save-every", save,
+                      "--simulate-crash", f"{crash}:1:{i}"]))
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
