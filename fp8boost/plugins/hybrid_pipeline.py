@@ -74,6 +74,9 @@ def check_pipeline_args(pp_size: int, zero_stage: int, num_microbatches, microba
         raise ValueError("pp_size > 1 needs exactly one of num_microbatches (micro-batches per "
                          "step) or microbatch_size (rows per micro-batch)")
     check_pipeline_options(pp_size, pp_style, num_model_chunks, num_layers_per_stage)
+    if pp_style == "1f1b" and num_microbatches is not None and num_microbatches < pp_size:
+        raise ValueError(f"pp_style='1f1b' needs num_microbatches >= pp_size ({pp_size}), got "
+                         f"{num_microbatches}: every stage must have a micro-batch in flight")
     if pp_style == "interleaved" and num_microbatches is not None:
         rounds = max(1, num_microbatches // pp_size)
         if num_microbatches % rounds:
@@ -165,14 +168,17 @@ def broadcast_stage(model: nn.Module, state: PipelineState) -> None:
 
 def stage_plan(plan, model: nn.Module):
     """The tensor-parallel plan restricted to the modules this rank kept."""
-    names = {n for n, _ in model.named_modules()}
+    modules = dict(model.named_modules())
+    names = set(modules)
 
     def keep(xs):
         return [x for x in xs if x in names]
 
+    # On the last stage a tied embedding is a TiedWeight holder, split with lm_head's weight.
+    embedding = plan.embedding if isinstance(modules.get(plan.embedding), nn.Embedding) else None
     return dataclasses.replace(
         plan, regions=keep(plan.regions), colwise=keep(plan.colwise), rowwise=keep(plan.rowwise),
-        embedding=plan.embedding if plan.embedding in names else None,
+        embedding=embedding,
         lm_head=plan.lm_head if plan.lm_head in names else None, layers=keep(plan.layers),
         sequence_sharded=keep(plan.sequence_sharded),
         split_sequence=bool(plan.layers) and plan.layers[0] in names)

@@ -44,6 +44,16 @@ def test_layouts() -> None:
         make_layout(6, 2, num_layers_per_stage=[2, 3])
 
 
+def test_microbatch_count() -> None:
+    from fp8boost.parallel.pipeline import microbatch_count
+
+    assert microbatch_count(8, 4, None) == 4 and microbatch_count(8, None, 2) == 4
+    with pytest.raises(ValueError, match="num_microbatches=3"):
+        microbatch_count(8, 3, None)
+    with pytest.raises(ValueError, match="microbatch_size=3"):
+        microbatch_count(8, None, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_boundary_is_quantize_dequantize(dtype) -> None:
     torch.manual_seed(0)

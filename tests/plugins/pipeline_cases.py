@@ -93,8 +93,11 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
         ref_opt.zero_grad()
         ref_losses.append(r.item())
     with torch.no_grad():  # evaluation: forward only, same loss as a reference forward
-        ev = booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), wrapped)["loss"]
+        ev = booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), wrapped,
+                                      return_outputs=True)
         ref_ev = ref(input_ids=ids, labels=ids).loss.item()
+    logits = ev["outputs"]
+    ev = ev["loss"]
     got = _full_masters(plugin, model, opt)
     names = [n for n, _ in ref.named_parameters()]
     want = dict(zip(names, ref_opt.full_master_params()))
@@ -109,6 +112,7 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
             "eval_rel": abs(ev.item() - ref_ev) / ref_ev,
             "param_rel": float((num[0] / num[1]) ** 0.5), "losses": losses,
             "ref_losses": ref_losses, "owned": sorted(got),
+            "logits": None if logits is None else tuple(logits.shape),
             "report": dict(plugin.pp_state.boundaries.report)}
 
 
@@ -164,3 +168,84 @@ class BoundaryCapture:
             qdq = decode_fp8(encode_fp8(x, dt, cfg), tuple(x.shape), x.dtype, dt, cfg)
             assert torch.equal(qdq, got), "boundary tensor != quantize-dequantize of the source"
         return len(seen)
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _boost(pp: int, tp: int = 1, zero: int = 0, layers: int = 4):
+    from fp8boost.booster import Booster
+    from fp8boost.plugins import HybridParallelPlugin
+
+    model = tiny_model(layers, tie=True, seed=1)  # different init than the saved run
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    kw = dict(pp_size=pp, num_microbatches=max(2, pp)) if pp > 1 else {}
+    plugin = HybridParallelPlugin(tp_size=tp, zero_stage=zero, max_norm=1.0, precision="fp32",
+                                  **kw)
+    booster = Booster(plugin=plugin, device="cpu")
+    wrapped, opt, *_ = booster.boost(model, opt)
+    return booster, plugin, model, wrapped, opt
+
+
+def _train_step(booster, plugin, wrapped, opt, ids) -> float:
+    local = ids.chunk(plugin.dp_size)[plugin.dp_rank]
+    if plugin.pp_size > 1:
+        loss = booster.execute_pipeline(iter([{"input_ids": local, "labels": local}]), wrapped,
+                                        optimizer=opt)["loss"]
+    else:
+        loss = wrapped(input_ids=local, labels=local).loss
+        booster.backward(loss, opt)
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=plugin.dp_group)
+    return total.item() / plugin.dp_size
+
+
+def _everything(plugin, model, opt) -> dict:
+    """Every parameter of the whole model (FP32 masters), by name, on every rank."""
+    mine = _full_masters(plugin, model, opt)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out = {}
+    for p in parts:
+        out.update(p)
+    return out
+
+
+def checkpoint_round_trip(tmp: str) -> dict:
+    """Save at pp2 x tp2 (tied embeddings), load at pp4 and at pp1 x tp2 x dp2 (ZeRO-1).
+
+    Returns the largest differences: weights after loading (exact), the next step's loss and
+    weights (resharded sums: fp32 rounding only), and the HF export against the saved run.
+    """
+    import transformers
+
+    booster, plugin, model, wrapped, opt = _boost(pp=2, tp=2)
+    _train_step(booster, plugin, wrapped, opt, global_batch(0))
+    booster.save_checkpoint(f"{tmp}/ckpt", wrapped, opt, extra={"step": 1})
+    booster.save_model(wrapped, f"{tmp}/hf")
+    saved = _everything(plugin, model, opt)
+    loss_a = _train_step(booster, plugin, wrapped, opt, global_batch(1))
+    after_a = _everything(plugin, model, opt)
+    out = {"load_exact": True, "step_loss_rel": 0.0, "step_param_rel": 0.0}
+    for pp, tp, zero in ((4, 1, 0), (1, 2, 1)):
+        booster, plugin, model, wrapped, opt = _boost(pp=pp, tp=tp, zero=zero)
+        extra = booster.load_checkpoint(f"{tmp}/ckpt", wrapped, opt)
+        assert extra == {"step": 1}, extra
+        got = _everything(plugin, model, opt)
+        out["load_exact"] &= all(torch.equal(got[n], saved[n]) for n in saved) and \
+            set(got) == set(saved)
+        loss_b = _train_step(booster, plugin, wrapped, opt, global_batch(1))
+        got = _everything(plugin, model, opt)
+        num = sum(((got[n] - after_a[n]) ** 2).sum() for n in saved)
+        den = sum(((after_a[n] - saved[n]) ** 2).sum() for n in saved)
+        out["step_loss_rel"] = max(out["step_loss_rel"], abs(loss_b - loss_a) / loss_a)
+        out["step_param_rel"] = max(out["step_param_rel"], float((num / den) ** 0.5))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/hf")
+    ref = dict(hf.named_parameters())
+    out["hf_exact"] = all(torch.equal(ref[n].float(), saved[n]) for n in saved) and \
+        set(ref) == set(saved)
+    booster, plugin, model, wrapped, opt = _boost(pp=4)  # the HF export into another split
+    booster.load_model(wrapped, f"{tmp}/hf")
+    got = _everything(plugin, model, opt)
+    out["hf_load_exact"] = all(torch.equal(got[n], saved[n]) for n in saved)
+    return out

@@ -15,6 +15,8 @@ the batch mean, as in the reference. Tolerances, measured on torch 2.13 CPU:
   within 0.35 (measured <= 1.3e-3 / 0.22 on 8 layers): each FP8 rounding that bf16-level
   differences flip is worth 2**-3 relative, and they add up with depth.
 
+Checkpoints with pp (see the last block of the parity test) are exact too.
+
 The FP8 point-to-point check is exact: on a pp2 run every activation stage 1 computes on and
 every gradient stage 0 receives equal "quantize, then dequantize" of what the other stage
 sent, bit for bit.
@@ -51,15 +53,17 @@ def _kind(case: dict) -> str:
     return "fp8" if case.get("fp8") else case.get("precision", "fp32")
 
 
-def _all_cases(rank: int, world: int) -> dict:
+def _all_cases(rank: int, world: int, tmp: str) -> dict:
     """Every case in ONE 4-rank spawn (each spawn costs ~11 s of imports)."""
     from fp8boost.parallel.comm.config import Fp8CommConfig
+    from tests.plugins.pipeline_cases import checkpoint_round_trip
 
     out = {"pp2": [run_pp_parity(**case) for case in PP2_CASES],
            "pp4": [run_pp_parity(**case) for case in PP4_CASES]}
     cap = BoundaryCapture()  # FP8 P2P only (bf16 compute), pp2 x dp2, 1F1B
     out["comm"] = run_pp_parity(pp=2, zero=1, precision="bf16", comm=True, hooks=cap)
     out["compared"] = cap.check(Fp8CommConfig(min_numel=0))
+    out["ckpt"] = checkpoint_round_trip(tmp)
     return out
 
 
@@ -77,8 +81,8 @@ def _check(cases: list, results: list) -> None:
             assert res["losses"] == pytest.approx(res0["losses"], rel=1e-6), case
 
 
-def test_pipeline_parity_and_fp8_p2p_4_ranks() -> None:
-    results = run_distributed(_all_cases, 4)
+def test_pipeline_parity_fp8_p2p_and_checkpoints_4_ranks(tmp_path) -> None:
+    results = run_distributed(_all_cases, 4, str(tmp_path))
     _check(PP2_CASES, [r["pp2"] for r in results])
     _check(PP4_CASES, [r["pp4"] for r in results])
     comm = results[0]["comm"]
@@ -92,6 +96,9 @@ def test_pipeline_parity_and_fp8_p2p_4_ranks() -> None:
     assert "model.embed_tokens.weight" in owned0 and "lm_head.weight" not in owned0
     assert "lm_head.weight" in owned1 and "model.norm.weight" in owned1
     assert all(".layers.2." not in n for n in owned0) and all(".layers.0." not in n for n in owned1)
+    # evaluation outputs: the whole batch's logits (vocabulary slice under tp) on the last stage
+    assert [r["pp2"][0]["logits"] for r in results] == [None, None, (8, 16, 128), (8, 16, 128)]
+    assert [r["pp4"][2]["logits"] for r in results] == [(8, 16, 256), None, None, None]  # zbv
     # zbv: rank 0 holds the first and the last stage (tied embedding local, no sync needed)
     zbv0 = results[0]["pp4"][2]["owned"]
     assert "model.embed_tokens.weight" in zbv0 and "model.norm.weight" in zbv0
@@ -99,6 +106,13 @@ def test_pipeline_parity_and_fp8_p2p_4_ranks() -> None:
     # interleaved: rank 1 holds stages 1 and 5 (layers 1 and 5 of 8)
     inter1 = results[1]["pp4"][0]["owned"]
     assert {n.split(".")[2] for n in inter1 if ".layers." in n} == {"1", "5"}
+    # Checkpoints (fp32, tied embeddings): DCP saved at pp2 x tp2 loads bit-exactly at pp4 and
+    # at pp1 x tp2 x dp2 (ZeRO-1), and the next step matches the saving run (measured 9e-8 /
+    # 4e-7: resharded sums); save_model's HF folder equals the FP32 masters exactly, loads
+    # with from_pretrained and into pp4.
+    ck = results[0]["ckpt"]
+    assert ck["load_exact"] and ck["hf_exact"] and ck["hf_load_exact"], ck
+    assert ck["step_loss_rel"] <= 1e-5 and ck["step_param_rel"] <= 1e-5, ck
 
 
 def test_bad_pipeline_arguments_raise_before_any_collective() -> None:
@@ -125,6 +139,8 @@ def test_bad_pipeline_arguments_raise_before_any_collective() -> None:
         hp(pp_size=2, num_microbatches=2, num_layers_per_stage=[1, 1, 2])
     with pytest.raises(ValueError, match="multiple"):
         hp(pp_size=2, num_microbatches=5, pp_style="interleaved", num_model_chunks=2)
+    with pytest.raises(ValueError, match="num_microbatches >= pp_size"):
+        hp(pp_size=4, num_microbatches=2)
     with pytest.raises(ValueError, match="need pp_size > 1"):
         hp(num_microbatches=2)
     with pytest.raises(ValueError, match="do not split evenly"):

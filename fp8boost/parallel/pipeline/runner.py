@@ -143,6 +143,10 @@ class PipelineRunner:
         ids = batch["input_ids"]
         size, seq = ids.shape
         n = microbatch_count(size, self.num_microbatches, self.microbatch_size)
+        if backward and self.layout.style == "1f1b" and n < self.layout.pp:
+            raise ValueError(f"pp_style='1f1b' needs at least pp_size={self.layout.pp} "
+                             f"micro-batches, got {n} (batch {size} / microbatch_size "
+                             f"{self.microbatch_size}): use a larger batch or smaller micro-batches")
         sched = self.schedule(n, size // n, seq) if backward else None
         pos = batch.get("position_ids")
         if pos is None:

@@ -27,8 +27,8 @@ from torch import nn
 from .boundary import BoundaryPlan
 from .layout import PipelineLayout
 
-__all__ = ["DecoderStage", "check_pipeline_model", "strip_to_rank", "build_stage_modules",
-           "tied_embedding"]
+__all__ = ["DecoderStage", "TiedWeight", "check_pipeline_model", "strip_to_rank",
+           "build_stage_modules", "tied_embedding"]
 
 
 def check_pipeline_model(model: nn.Module) -> int:
@@ -51,15 +51,33 @@ def tied_embedding(model: nn.Module) -> bool:
     return model.lm_head.weight is model.model.embed_tokens.weight
 
 
+class TiedWeight(nn.Module):
+    """Holds a tied embedding weight on a rank that runs ``lm_head`` but not the embeddings.
+
+    Registered as ``model.model.embed_tokens`` (no forward), so the shared ``Parameter`` keeps
+    its first, canonical name ``model.embed_tokens.weight`` as in the unsplit model: state
+    dicts, checkpoints and optimizer state are keyed alike at every pipeline split.
+    """
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the input embedding runs on the first pipeline stage")
+
+
 def strip_to_rank(model: nn.Module, layout: PipelineLayout, rank: int) -> None:
     """Remove from ``model`` (in place) every part that pipeline ``rank`` does not run."""
     base = model.model
     stages = layout.stages_of(rank)
     keep = sorted(i for s in stages for i in layout.layers[s])
+    tied = tied_embedding(model)
     base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})
+    last = layout.num_stages - 1 in stages
     if 0 not in stages:
-        base.embed_tokens = None
-    if layout.num_stages - 1 not in stages:
+        base.embed_tokens = TiedWeight(model.lm_head.weight) if tied and last else None
+    if not last:
         base.norm = None
         model.lm_head = None
 

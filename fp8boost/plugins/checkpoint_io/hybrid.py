@@ -19,6 +19,11 @@ FP32 masters and optimizer state of each local shard into flat chunks over the `
   writes each replicated chunk once and reshards on load, so a checkpoint loads into any
   (tp, dp, zero_stage) that splits the same model.
 
+Pipeline parallelism (pp_size > 1, ``hybrid_pp.py``): each stage holds different parameters
+under their HF names (a tied embedding keeps ``model.embed_tokens.weight`` on the last stage),
+so every format above keys them as in an unsplit run and loads into any other (pp, tp, dp)
+split; ``save_model`` brings each tensor to rank 0 from its stage, one at a time.
+
 Memory cost of ``save_checkpoint``/``load_checkpoint``: every rank materialises its
 tp-local shard of the FP32 masters and of every optimizer state tensor (e.g. 3 x 4 bytes x
 params / tp for AdamW), gathering the ZeRO chunks over dp one parameter at a time: the
@@ -116,8 +121,13 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     """Write the full model in HF layout into ``directory``; collective over the world.
 
     Global rank 0 writes; the other ranks of its tp group send their shards one parameter at
-    a time; the other data-parallel replicas only join ``exact_weights``.
+    a time; the other data-parallel replicas only join ``exact_weights``. With pp_size > 1
+    each stage's tensors come to rank 0 from their owner (``hybrid_pp.py``).
     """
+    if plugin.pp_size > 1:
+        from .hybrid_pp import write_hf_gathered_pp
+        return write_hf_gathered_pp(plugin, model, directory, shard, size_mb, _tp_layout,
+                                    _gather_tp, _full_shape, _write_index_and_config)
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
     dims, group, size, _ = _tp_layout(plugin)
@@ -160,9 +170,12 @@ def _tp_box(full_shape: tuple, dim: int, size: int, rank: int) -> tuple[slice, .
 
 
 def _check_hf_keys(own: dict, shapes: dict, dims: dict, size: int, directory: str,
-                   strict: bool) -> None:
-    """Compare the files' full shapes with the model's (local shape x tp along the split)."""
-    unexpected = [k for k in shapes if k not in own]
+                   strict: bool, known: Optional[set] = None) -> None:
+    """Compare the files' full shapes with the model's (local shape x tp along the split).
+
+    ``known``: every rank's keys (pipeline stages hold different ones), or None.
+    """
+    unexpected = [k for k in shapes if k not in own and (known is None or k not in known)]
     wrong = [f"{k}: {shapes[k]} vs {_full_shape(own[k], dims.get(k), size)}" for k in shapes
              if k in own and shapes[k] != _full_shape(own[k], dims.get(k), size)]
     loaded = {cio._storage_key(own[k]) for k in shapes if k in own}
@@ -175,8 +188,15 @@ def _check_hf_keys(own: dict, shapes: dict, dims: dict, size: int, directory: st
 
 
 def read_hf_sliced(plugin, model: nn.Module, directory: str, strict: bool = True) -> None:
-    """Fill ``model`` from an HF folder, each rank reading only its tp slices. Not collective."""
+    """Fill ``model`` from an HF folder, each rank reading only its tp slices.
+
+    Not collective, except with pp_size > 1 (one ``all_gather_object`` of the key names).
+    """
     module = plugin.unwrap_model(model)
+    known = None
+    if plugin.pp_size > 1:
+        from .hybrid_pp import all_keys
+        known = all_keys(plugin, module, dedup=False)
     dims, _, size, rank = _tp_layout(plugin)
     files = hf.checkpoint_files(directory)
     own = module.state_dict(keep_vars=True)
@@ -189,7 +209,7 @@ def read_hf_sliced(plugin, model: nn.Module, directory: str, strict: bool = True
             with reader.errors(fname):
                 keys_of[fname] = list(f.keys())
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys_of[fname]})
-        _check_hf_keys(own, shapes, dims, size, directory, strict)
+        _check_hf_keys(own, shapes, dims, size, directory, strict, known)
         for fname in files:  # one file's local slices at a time
             f, part = reader.file(fname), {}
             with reader.errors(fname):
@@ -298,8 +318,11 @@ def _templates(module: nn.Module, optimizer, index: dict, placer: _Placer) -> di
     return state
 
 
-def _check_against_metadata(state: dict, directory: str) -> None:
-    """Every key we load exists with the same global shape (read locally: no collective)."""
+def _check_against_metadata(state: dict, directory: str, known: Optional[set] = None) -> None:
+    """Every key we load exists with the same global shape (read locally: no collective).
+
+    ``known``: every rank's ``model/`` keys (pipeline stages hold different ones), or None.
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     if not os.path.exists(os.path.join(directory, ".metadata")):
@@ -309,7 +332,7 @@ def _check_against_metadata(state: dict, directory: str) -> None:
     missing = [k for k in state if k not in md]
     wrong = [f"{k}: saved {tuple(md[k].size)} vs {tuple(state[k].shape)}" for k in state
              if k in md and hasattr(md[k], "size") and tuple(md[k].size) != tuple(state[k].shape)]
-    extra = [k for k in md if k.startswith("model/") and k not in state]
+    extra = [k for k in md if k.startswith("model/") and k not in (known or state)]
     if missing or wrong or extra:
         raise ValueError(f"checkpoint {directory} does not match this model/optimizer: missing "
                          f"{missing[:5]}, shape mismatches {wrong[:5]}, unexpected {extra[:5]}; "
@@ -443,6 +466,9 @@ class HybridCheckpointIO(CheckpointIO):
         index: dict = {"tp": placer.size, "dp": self.plugin.dp_size}
         if optimizer is not None:
             tensors, index["optim"] = _optimizer_state(optimizer, _param_names(module), placer)
+            if self.plugin.pp_size > 1:  # rank 0 writes the index: every stage's names
+                from .hybrid_pp import merge_optimizer_index
+                index["optim"] = merge_optimizer_index(self.plugin, index["optim"])
             state.update(tensors)
             index["zero_stage"] = optimizer.stage
         dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, STATE_DIR)),
@@ -464,7 +490,11 @@ class HybridCheckpointIO(CheckpointIO):
         state = _templates(module, optimizer, index, placer)
         if not with_model:
             state = {k: v for k, v in state.items() if not k.startswith("model/")}
-        _check_against_metadata(state, os.path.join(path, STATE_DIR))  # before collectives
+        known = None
+        if self.plugin.pp_size > 1 and with_model:  # stages hold different keys
+            from .hybrid_pp import all_keys
+            known = {f"model/{k}" for k in all_keys(self.plugin, module)}
+        _check_against_metadata(state, os.path.join(path, STATE_DIR), known)  # before DCP
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(path, STATE_DIR)),
                  process_group=self.group)
         model_part = {k[len("model/"):]: _local(t) for k, t in state.items()
@@ -473,4 +503,9 @@ class HybridCheckpointIO(CheckpointIO):
             module.load_state_dict(model_part, strict=False)  # tied keys were saved once
             self.plugin.after_load_model(model)  # masters of parameters without saved state
         if optimizer is not None:
-            _load_optimizer_state(optimizer, module, state, index["optim"])
+            optim = index["optim"]
+            if self.plugin.pp_size > 1:  # each stage loads its own parameters' groups
+                from .hybrid_pp import local_param_groups
+                optim = {**optim, "param_groups": local_param_groups(
+                    self.plugin, optim["param_groups"], set(_param_names(module).values()))}
+            _load_optimizer_state(optimizer, module, state, optim)
