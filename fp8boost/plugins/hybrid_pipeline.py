@@ -250,6 +250,9 @@ def execute_pipeline(plugin, state: PipelineState, data_iter, model, criterion, 
                                          return_outputs=return_outputs,
                                          loss_scale=scaler.scale if scaler is not None else 1.0)
     if backward:
+        guard = getattr(optimizer, "nonfinite_guard", None)
+        if guard is not None and loss is not None:  # the last stage's loss; others see grads
+            guard.observe_loss(loss)
         if state.tied is not None and state.tied.grad is not None:
             dist.all_reduce(state.tied.grad, group=state.tied_group)  # embed + lm_head parts
         optimizer.reduce_gradients()
