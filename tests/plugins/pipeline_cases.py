@@ -7,6 +7,7 @@ FP8 recipe, optimizer (SGD + momentum) and clipping.
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,8 @@ def _full_masters(plugin, model, opt) -> dict[str, torch.Tensor]:
 def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32",
                   fp8: bool = False, comm: bool = False, style: str = "1f1b", chunks: int = 1,
                   layers: int = 4, sp: bool = False, tie: bool = False, arch: str = "llama",
-                  steps: int = 3, microbatches: int = 2, hooks=None) -> dict:
+                  steps: int = 3, microbatches: Optional[int] = 2,
+                  microbatch_size: Optional[int] = None, hooks=None) -> dict:
     """Train with ``execute_pipeline`` and a one-process reference; return their differences."""
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
@@ -65,7 +67,7 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
     plugin = HybridParallelPlugin(
         tp_size=tp, pp_size=pp, zero_stage=zero, precision=precision, use_fp8=fp8,
         fp8_communication=comm, fp8_config=cfg, max_norm=1.0, pp_style=style,
-        num_model_chunks=chunks, num_microbatches=microbatches,
+        num_model_chunks=chunks, num_microbatches=microbatches, microbatch_size=microbatch_size,
         enable_sequence_parallelism=sp, comm_config=Fp8CommConfig(min_numel=0))
     booster = Booster(plugin=plugin, device="cpu")
     wrapped, opt, *_ = booster.boost(model, opt)
@@ -81,7 +83,9 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
         ids = global_batch(s)
         local = ids.chunk(dp)[dpr]
         out = booster.execute_pipeline(iter([{"input_ids": local, "labels": local}]), wrapped,
-                                       optimizer=opt)
+                                       optimizer=opt, return_outputs=s == 0)
+        if s == 0:
+            train_logits = None if out["outputs"] is None else tuple(out["outputs"].shape)
         opt.step()
         opt.zero_grad()
         total = out["loss"].clone()
@@ -113,6 +117,7 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
             "param_rel": float((num[0] / num[1]) ** 0.5), "losses": losses,
             "ref_losses": ref_losses, "owned": sorted(got),
             "logits": None if logits is None else tuple(logits.shape),
+            "train_logits": train_logits,
             "report": dict(plugin.pp_state.boundaries.report)}
 
 

@@ -36,7 +36,7 @@ PARAM_TOL = {"fp32": 1e-5, "bf16": 0.08, "fp8": 0.35}
 PP2_CASES = [
     dict(pp=2, tp=2),
     dict(pp=2, tp=2, arch="qwen2", precision="bf16", fp8=True, comm=True, sp=True, tie=True),
-    dict(pp=2, zero=1, precision="bf16"),
+    dict(pp=2, zero=1, precision="bf16", microbatches=None, microbatch_size=2),
     dict(pp=2, zero=1, precision="bf16", fp8=True, comm=True, tie=True),
 ]
 PP4_CASES = [
@@ -98,6 +98,8 @@ def test_pipeline_parity_fp8_p2p_and_checkpoints_4_ranks(tmp_path) -> None:
     assert all(".layers.2." not in n for n in owned0) and all(".layers.0." not in n for n in owned1)
     # evaluation outputs: the whole batch's logits (vocabulary slice under tp) on the last stage
     assert [r["pp2"][0]["logits"] for r in results] == [None, None, (8, 16, 128), (8, 16, 128)]
+    # training with return_outputs: this dp replica's batch (pp2 x dp2: 4 rows of the 8)
+    assert [r["pp2"][2]["train_logits"] for r in results] == [None, (4, 16, 256)] * 2
     assert [r["pp4"][2]["logits"] for r in results] == [(8, 16, 256), None, None, None]  # zbv
     # zbv: rank 0 holds the first and the last stage (tied embedding local, no sync needed)
     zbv0 = results[0]["pp4"][2]["owned"]
