@@ -115,13 +115,14 @@ class PipelineState:
 
 
 def _new_groups(dims, key) -> object:
-    """``dist.new_group`` for every class of ranks with equal ``key(coords)``; returns ours.
-
-    Every rank creates every group in the same order (``new_group`` is collective).
+    """``dist.new_group`` for every class of ranks with equal ``key(coords)`` (None: in no
+    group); returns ours. Every rank creates every group in the same order (collective).
     """
     classes: dict = {}
     for r in range(dims.world_size):
-        classes.setdefault(key(dims.coords(r)), []).append(r)
+        k = key(dims.coords(r))
+        if k is not None:
+            classes.setdefault(k, []).append(r)
     mine = None
     for k in sorted(classes, key=str):
         g = dist.new_group(classes[k])
@@ -131,7 +132,7 @@ def _new_groups(dims, key) -> object:
 
 
 def strip_model(model: nn.Module, optimizer, layout: PipelineLayout, topo) -> PipelineState:
-    """Steps 2 (collective: creates the stage and tied-embedding groups)."""
+    """Step 2 (collective: creates the stage and tied-embedding groups)."""
     dims = topo.dims
     rank = topo.rank("pp")
     tied = tied_embedding(model)
