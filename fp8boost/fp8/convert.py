@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import logging
 import sys
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from fp8boost import _state
 
-from .config import Fp8Config
+from .config import DEFAULT_MIN_NUMEL, Fp8Config
 from .linear import Fp8Linear
 from .prequantized import Fp8WeightTensor, dequantize_weight
 from .scaling import Fp8Tensor
@@ -97,9 +98,35 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
         return f"shape [{n}, {k}] has a dim not divisible by 16 (FP8 tensor-core alignment)"
     if min(k, n) < config.min_features:
         return f"a dim is below min_features={config.min_features} (too small to gain)"
-    if k * n < config.min_numel:
+    if k * n < config.min_numel and _speed_filter_applies(config):
         return f"{k * n} weight elements < min_numel={config.min_numel} (too small to gain)"
     return None
+
+
+def _speed_filter_applies(config: Fp8Config) -> bool:
+    """Whether ``min_numel`` (a speed rule) applies: always when set by the user, and for the
+    default only where FP8 can be fast (a hardware backend, or ``auto`` with an FP8 GPU here).
+
+    Without FP8 tensor cores (CPU, emulated) FP8 is asked for its numerics, which a size filter
+    would silently take away from every small model: there the default is waived, logged once.
+    """
+    if config.min_numel != DEFAULT_MIN_NUMEL or config.backend in ("triton", "cublas"):
+        return True
+    if config.backend == "auto" and _fp8_gpu_present():
+        return True
+    _state.log_once(logging.getLogger("fp8boost.fp8"), "min-numel-waived",
+                    "fp8boost: no FP8 tensor cores (emulated FP8): the default size filter "
+                    f"min_numel={DEFAULT_MIN_NUMEL} (a speed rule) is not applied, so every "
+                    "eligible layer runs FP8 numerics; set min_numel explicitly to filter",
+                    level=logging.INFO)
+    return False
+
+
+def _fp8_gpu_present() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return any(torch.cuda.get_device_capability(i) >= (8, 9)
+               for i in range(torch.cuda.device_count()))
 
 
 class Fp8Conv1D(Fp8Linear):

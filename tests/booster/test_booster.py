@@ -182,8 +182,9 @@ def test_use_fp8_that_converts_nothing_warns():
     from fp8boost import _state
     _state.reset()
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    booster = Booster(mixed_precision=MixedPrecision("fp8", Fp8Config(backend="emulated")),
-                      device="cpu")
+    # An explicit min_numel applies on every backend (the default one only on FP8 hardware).
+    cfg = Fp8Config(backend="emulated", min_numel=2048)
+    booster = Booster(mixed_precision=MixedPrecision("fp8", cfg), device="cpu")
     with pytest.warns(UserWarning, match="no linear layer was converted"):
         booster.boost(model)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())

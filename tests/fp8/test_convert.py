@@ -75,6 +75,31 @@ def test_size_filters_and_shared_modules():
     assert again.converted == [] and list(again.skipped) == ["small"]  # idempotent
 
 
+def test_default_size_filter_is_waived_without_fp8_hardware(monkeypatch):
+    """min_numel is a speed rule: with emulated FP8 (no FP8 tensor cores) its *default* would
+    silently turn use_fp8=True into BF16 on every small model, so it is not applied there; an
+    explicit min_numel, or a hardware backend, keeps it."""
+    from fp8boost.fp8 import convert as conv
+
+    def small():
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+
+    assert len(convert_to_fp8(small(), Fp8Config(backend="emulated")).converted) == 2
+    monkeypatch.setattr(conv, "_fp8_gpu_present", lambda: False)
+    assert len(convert_to_fp8(small(), Fp8Config()).converted) == 2  # auto on a CPU machine
+    rep = convert_to_fp8(small(), Fp8Config(backend="emulated", min_numel=4096 * 4096 - 1))
+    assert not rep.converted and "min_numel" in rep.skipped["0"]  # explicit: applied
+    for backend in ("triton", "cublas"):  # a hardware backend: where the rule was measured
+        rep = convert_to_fp8(small(), Fp8Config(backend=backend))
+        assert not rep.converted and "min_numel" in rep.skipped["1"], backend
+    monkeypatch.setattr(conv, "_fp8_gpu_present", lambda: True)
+    from fp8boost import _state
+    _state.reset()  # the "nothing converted" warning is once per reason and process
+    with pytest.warns(UserWarning, match="no linear layer was converted"):
+        rep = convert_to_fp8(small(), Fp8Config())  # auto with an FP8 GPU here
+    assert not rep.converted
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="Fp8Config"):
         convert_to_fp8(nn.Sequential(nn.Linear(16, 16)), config={"recipe": "tensorwise"})
@@ -97,7 +122,7 @@ def test_default_filter_keeps_layers_too_small_to_gain():
     with torch.device("meta"):
         model.add_module("big", nn.Linear(4096, 4096))
         model.add_module("mlp", nn.Linear(2048, 5632))
-    report = convert_to_fp8(model, Fp8Config(backend="emulated"))
+    report = convert_to_fp8(model, Fp8Config(backend="triton"))  # hardware: the rule applies
     assert report.converted == ["big"]
     assert "min_numel" in report.skipped["mlp"]
 
@@ -225,4 +250,4 @@ def test_nothing_converted_warning_gives_only_advice_that_applies():
     assert "convert_to_fp8(model, fp8_config)" in str(rec[0].message)  # where the config goes
     small = nn.Sequential(nn.Linear(32, 32))
     with pytest.warns(UserWarning, match=r"Fp8Config\(min_numel=0\)"):
-        convert_to_fp8(small, Fp8Config(backend="emulated"))
+        convert_to_fp8(small, Fp8Config(backend="cublas"))  # hardware: default filter applies
