@@ -130,7 +130,14 @@ class NonFiniteGuard:
             return False
         self.consecutive += 1
         self.skipped.append(self.step)
-        what = self._describe(bad_ranks, params, rank)
+        # Rare (a bad step): one more small collective, so that every rank's first bad tensor
+        # is named by the rank that holds it (pipeline stages hold different parameters).
+        mine = self._name(params, rows[rank][1])
+        names = [mine]
+        if world > 1:
+            names = [None] * world
+            dist.all_gather_object(names, mine, group=self.group)
+        what = self._describe(bad_ranks, names)
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"fp8boost: {self.consecutive} optimizer steps in a row "
@@ -163,8 +170,16 @@ class NonFiniteGuard:
                 return _local(g).device
         return torch.device("cpu")
 
-    def _describe(self, bad_ranks: list[tuple[int, int, int]], params: Sequence[torch.Tensor],
-                  me: int) -> str:
+    def _name(self, params: Sequence[torch.Tensor], g: int) -> Optional[str]:
+        """This rank's name of its first bad gradient (``g``: 1-based index, 0: none)."""
+        if g <= 0:
+            return None
+        p = params[g - 1] if g <= len(params) else None
+        name = self.names.get(id(p)) if p is not None else None
+        return name or f"parameter #{g - 1}" + (f" {tuple(p.shape)}" if p is not None else "")
+
+    @staticmethod
+    def _describe(bad_ranks: list[tuple[int, int, int]], names: list[Optional[str]]) -> str:
         """'loss on rank 1' / 'gradient of <name> on rank 0' for the first bad rank.
 
         A bad loss is named first: gradients are reduced across ranks, so every rank's gradient
@@ -173,12 +188,8 @@ class NonFiniteGuard:
         for r, loss, _ in bad_ranks:
             if loss:
                 return f"loss on rank {r}"
-        r, _, g = bad_ranks[0]
-        p = params[g - 1] if 0 < g <= len(params) else None
-        name = self.names.get(id(p)) if p is not None else None
-        if name is None:  # a tensor of another rank (ZeRO shards): its index is what we know
-            name = f"parameter #{g - 1}" + (f" {tuple(p.shape)}" if p is not None else "")
-        return f"gradient of {name} on rank {r}"
+        r = next(r for r, _, g in bad_ranks if g)
+        return f"gradient of {names[r]} on rank {r}"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,25 @@
-"""torchrun entry point of test_faults.py: every plugin's run of the example is killed once.
+"""torchrun entry point of test_faults.py: every plugin's run of the example is interrupted
+at the same step, the last one by a real rank death, and all resume after ONE restart.
 
-Launched as ``torchrun --nproc_per_node 2 --max-restarts P fault_driver.py ROOT STEPS SAVE
-CRASH PLUGIN...`` (P = number of plugins). In each attempt this process joins the job once
-(through the library's ``init_distributed``, which re-forms the group after a restart) and
-then, for every plugin ``i`` in order, runs the example's ``train()`` twice with
-``--resume auto``:
+Launched as ``torchrun --nproc_per_node 2 --max-restarts 1 fault_driver.py ROOT STEPS SAVE
+CRASH PLUGIN...``. In each attempt this process joins the job once (through the library's
+``init_distributed``, which re-forms the group after a restart) and then, for every plugin in
+order, runs the example's ``train()`` twice with ``--resume auto``:
 
-* ``ROOT/<plugin>-ref``: uninterrupted (finished runs return at once in later attempts);
-* ``ROOT/<plugin>-crash``: with ``--simulate-crash CRASH:1:i``: rank 1 exits mid-step at step
-  CRASH in torchrun attempt ``i`` only. torchrun restarts the job (attempt i + 1), which skips
-  the finished runs and resumes this one from its newest complete checkpoint.
+* ``ROOT/<plugin>-ref``: uninterrupted (a finished run returns at once in the next attempt);
+* ``ROOT/<plugin>-crash``: interrupted in step CRASH (after backward, before the optimizer
+  step) in attempt 0. For the last plugin, ``--simulate-crash CRASH:1:0`` makes rank 1
+  ``os._exit`` there: torchrun kills the job and restarts it (attempt 1). The others stop at
+  the same point on both ranks (an exception the driver catches: a preemption that leaves the
+  same checkpoints), so one launch pays for two start-ups instead of one restart per plugin.
 
-So each plugin is killed in a real process death + restart, and one launch pays the start-up
-of P + 1 attempts instead of two launches per plugin. The test compares the final checkpoints.
+In attempt 1 every ``-crash`` run resumes, in the restarted processes and process group, from
+its newest complete checkpoint; the test compares the final checkpoints with the ``-ref`` ones.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -34,16 +37,37 @@ if importlib.util.find_spec("tensorboard") is not None:  # installed by the dev 
     EXTRA["ddp"] = ["--tensorboard"]
 
 
+class Interrupted(Exception):
+    """Both ranks stop mid-step (the soft interruption of all but the last plugin)."""
+
+
 def main() -> None:
     out, steps, save, crash, *plugins = sys.argv[1:]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    real_crash = train_llama.faults.maybe_crash
+
+    def stop(spec, step, rank):
+        if step == int(crash):
+            raise Interrupted(step)
+
     for i, plugin in enumerate(plugins):
         common = FAST + ["--plugin", plugin, "--steps", steps, "--resume", "auto",
                          *EXTRA.get(plugin, [])]
         train_llama.train(train_llama.parse_args(
             common + ["--out-dir", f"{out}/{plugin}-ref", "--save-every", steps]))
-        train_llama.train(train_llama.parse_args(
-            common + ["--out-dir", f"{out}/{plugin}-crash", "--save-every", save,
-                      "--simulate-crash", f"{crash}:1:{i}"]))
+        argv = common + ["--out-dir", f"{out}/{plugin}-crash", "--save-every", save]
+        if i == len(plugins) - 1:  # the real thing: rank 1 dies, torchrun restarts the job
+            train_llama.train(train_llama.parse_args(argv + ["--simulate-crash", f"{crash}:1:0"]))
+            continue
+        train_llama.faults.maybe_crash = stop if attempt == 0 else real_crash
+        try:
+            train_llama.train(train_llama.parse_args(argv))
+        except Interrupted:
+            if os.environ.get("RANK") == "0":
+                print(f"[driver] {plugin}: interrupted in step {crash} (attempt {attempt})",
+                      flush=True)
+        finally:
+            train_llama.faults.maybe_crash = real_crash
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()

@@ -300,14 +300,15 @@ def verify_checksums(directory: str, group=None) -> int:
     for f in files[rank::world]:
         want, path = sums[f], os.path.join(directory, f)
         if not os.path.isfile(path):
-            problems[f] = "is missing"
+            problems[f] = "is missing (deleted or never copied)"
             continue
         size = os.path.getsize(path)
         if size != want["size"]:
-            problems[f] = (f"is {size} bytes, {want['size']} were saved: it is truncated or "
-                           "corrupt")
+            problems[f] = (f"is unreadable: {size} bytes, {want['size']} were saved (truncated "
+                           "or corrupt)")
         elif _digest(path)[1] != want["sha256"]:
-            problems[f] = "has another SHA-256 than when saved: it is corrupt (altered bytes)"
+            problems[f] = ("is unreadable: its SHA-256 differs from the one saved (corrupt: "
+                           "altered bytes)")
     parts = [problems]
     if world > 1:
         parts = [None] * world
