@@ -68,8 +68,10 @@ def test_trainer_on_a_gpu_runs_real_fp8_in_bf16(tmp_path):
     from fp8boost.fp8 import Fp8Linear
     layers = [m for m in scope["model"].modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.weight.is_cuda for m in layers)
-    backends = {m._fp8_backend.name for m in layers if m._fp8_backend is not None}
-    assert backends and "emulated" not in backends, backends
+    # With several GPUs visible the Trainer runs nn.DataParallel, whose per-forward replicas
+    # (not these modules) resolve the backend: ask what ``auto`` resolves to on this GPU.
+    from fp8boost.fp8.backends import get_backend
+    assert get_backend(layers[0].fp8_config.backend, layers[0].weight.device).name != "emulated"
     losses = [r["loss"] for r in scope["trainer"].state.log_history if "loss" in r]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
     from transformers import AutoModelForCausalLM
