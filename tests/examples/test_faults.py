@@ -155,6 +155,33 @@ def test_nonfinite_step_is_skipped_and_logged_then_stops(ex, tmp_path, monkeypat
                                                    "--max-bad-steps", "1"]))
 
 
+def test_full_disk_during_the_examples_save_keeps_the_previous_checkpoint(ex, tmp_path,
+                                                                          monkeypatch):
+    import errno
+
+    from fp8boost.plugins.checkpoint_io import CheckpointSaveError
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):  # the 2nd checkpoint's RNG file hits a full disk
+        if str(f).endswith("rank0.pt") and "step_00000004" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ex.checkpointing.torch, "save", save)
+    fast = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--no-progress",
+            "--eval-every", "0", "--val-fraction", "0", "--out-dir", str(tmp_path),
+            "--save-every", "2", "--steps", "4", "--resume", "auto"]
+    with pytest.raises(CheckpointSaveError, match=r"step 4 failed .*No space left on device.*"
+                       r"previous checkpoint .*step_00000002 is intact"):
+        ex.train.train(ex.train.parse_args(fast))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == \
+        ["latest", "step_00000002"]  # the partial save is gone
+    monkeypatch.setattr(ex.checkpointing.torch, "save", real_save)
+    summary = ex.train.train(ex.train.parse_args(fast))  # space again: resumes and finishes
+    assert summary["start_step"] == 2 and summary["steps_run"] == 2
+
+
 def test_bad_data_is_refused_with_the_required_length(ex, tmp_path):
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_text("")
