@@ -58,6 +58,7 @@ from fp8boost.batch_checks import check_lm_batch  # noqa: E402
 import checkpointing  # noqa: E402
 import data as data_lib  # noqa: E402
 import faults  # noqa: E402
+import hybrid  # noqa: E402
 import metrics as metrics_lib  # noqa: E402
 import presets  # noqa: E402
 
@@ -101,11 +102,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="linear layers with fewer weight elements stay BF16 (default: the library's "
                         "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g.add_argument("--tp", type=int, default=1, help="--plugin hybrid: tensor-parallel size")
-    g.add_argument("--sp", action="store_true",
-                   help="--plugin hybrid: sequence parallelism (norms/dropout split over tp)")
-    g.add_argument("--zero", type=int, default=1, choices=(0, 1, 2),
-                   help="--plugin hybrid: ZeRO stage over the data-parallel ranks")
+    hybrid.add_arguments(g)  # --tp --sp --zero --pp --pp-style --microbatches
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder block (its first steps pay the compile)")
     g.add_argument("--compile-backend", default="inductor",
@@ -161,6 +158,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.warmup_steps = max(1, args.steps // 20)
     if args.eval_every is None:  # ten validation points on the curve; short runs: at the end
         args.eval_every = args.steps // 10 if args.steps >= 100 else 0
+    if args.microbatches is None:  # --pp > 1 (None when no count fits: validate_args says so)
+        args.microbatches = hybrid.default_microbatches(args)
     return args
 
 
@@ -190,7 +189,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.plugin == "none" and args.fp8_comm:
         raise ValueError("--fp8-comm needs a distributed plugin: add --plugin "
                          "ddp|zero1|zero2|gemini|fsdp|hybrid")
-    validate_hybrid_args(args, world_size)
+    hybrid.validate_hybrid_args(args, world_size)
     if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":
         raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
@@ -209,23 +208,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         check_model_folder(args.model_path)
     if args.resume is not None:
         check_resume(args)
-
-
-def validate_hybrid_args(args: argparse.Namespace, world_size: int) -> None:
-    """``--tp``/``--sp``/``--zero`` belong to ``--plugin hybrid``; tp must divide the ranks."""
-    if args.plugin != "hybrid":
-        given = [flag for flag, on in (("--tp", args.tp != 1), ("--sp", args.sp),
-                                       ("--zero", args.zero != 1)) if on]
-        if given:
-            raise ValueError(f"{', '.join(given)} configure --plugin hybrid; add --plugin hybrid "
-                             f"(this run has --plugin {args.plugin})")
-        return
-    if args.tp < 1 or world_size % args.tp:
-        raise ValueError(f"--tp {args.tp} must be >= 1 and divide the number of ranks "
-                         f"({world_size}); launch with torchrun --nproc_per_node=<multiple of "
-                         "--tp>")
-    if args.sp and args.tp == 1:
-        raise ValueError("--sp splits sequences over the tensor-parallel ranks: it needs --tp >= 2")
 
 
 def check_model_folder(path: str) -> Path:
@@ -349,12 +331,7 @@ def make_plugin(args: argparse.Namespace, fp8_config):
     from fp8boost.plugins import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
     if args.plugin == "hybrid":
-        # Imported here: only hybrid runs need the tensor-parallel machinery.
-        from fp8boost.plugins.hybrid_parallel_plugin import HybridParallelPlugin
-        return HybridParallelPlugin(tp_size=args.tp, pp_size=1, zero_stage=args.zero,
-                                    enable_sequence_parallelism=args.sp,
-                                    precision=args.precision, use_fp8=args.use_fp8,
-                                    fp8_communication=args.fp8_comm, fp8_config=fp8_config)
+        return hybrid.make_plugin(args, fp8_config)
     if args.plugin == "gemini":
         plugin = GeminiPlugin(precision=args.precision, use_fp8=args.use_fp8,
                               fp8_communication=args.fp8_comm, fp8_config=fp8_config,
@@ -522,17 +499,22 @@ def reduce_mean_max(values: list[float], maxima: list[float], world_size: int,
 
 
 @torch.no_grad()
-def evaluate(model, windows, args, rank: int, world_size: int, device: torch.device) -> float:
-    """Mean validation loss over ``--eval-batches`` fixed batches per rank, across ranks."""
-    model.eval()
-    total = 0.0
-    for i in range(args.eval_batches):
-        batch = windows.batch(step=i, micro_step=0, rank=rank, batch_size=args.batch_size)
-        check_lm_batch(batch, batch, model.config.vocab_size)  # host-side, ~us: before kernels
-        batch = batch.to(device)
-        total += float(model(input_ids=batch, labels=batch).loss)
-    model.train()
-    (mean,), _ = reduce_mean_max([total / args.eval_batches], [], world_size, device)
+def evaluate(run: "Run", args, world_size: int, device: torch.device) -> float:
+    """Mean validation loss over ``--eval-batches`` fixed batches per replica, across ranks."""
+    if args.pp > 1:
+        local = hybrid.pipeline_evaluate(run, args, device)
+    else:
+        model, total = run.model, 0.0
+        model.eval()
+        for i in range(args.eval_batches):
+            batch = run.val_windows.batch(step=i, micro_step=0, rank=run.data_rank,
+                                          batch_size=args.batch_size)
+            check_lm_batch(batch, batch, run.vocab_size)  # host-side, ~us: before kernels
+            batch = batch.to(device)
+            total += float(model(input_ids=batch, labels=batch).loss)
+        model.train()
+        local = total / args.eval_batches
+    (mean,), _ = reduce_mean_max([local], [], world_size, device)
     return mean
 
 
@@ -543,10 +525,12 @@ def train_step(run: "Run", args: argparse.Namespace, step: int, rank: int,
     Gradients of all but the last micro-batch stay local (``booster.no_sync``): communicating
     them once per step is what makes accumulation cheap.
     """
+    if args.pp > 1:  # one execute_pipeline call: its micro-batches are the accumulation
+        return hybrid.pipeline_train_step(run, args, step, rank, device, clip_gradients)
     booster, model, optimizer = run.booster, run.model, run.optimizer
     loss_sum = 0.0
     for micro in range(args.grad_accum):
-        batch = run.train_windows.batch(step, micro, rank, args.batch_size)
+        batch = run.train_windows.batch(step, micro, run.data_rank, args.batch_size)
         # Host-side, before any kernel or collective (a few us per batch; see batch_checks).
         check_lm_batch(batch, batch, run.vocab_size)
         batch = batch.to(device)
@@ -608,7 +592,9 @@ class RunLogger:
         self.progress = metrics_lib.Progress(args.steps, initial=start_step,
                                              enabled=enabled and not args.no_progress,
                                              print_every=args.log_every)
-        self.tokens_per_step = args.batch_size * args.grad_accum * args.seq_len * world_size
+        # Tokens per optimizer step over every replica (hybrid: tp x pp ranks share a batch).
+        self.tokens_per_step = (args.batch_size * args.grad_accum * args.seq_len *
+                                hybrid.data_parallel_size(args, world_size))
         self.flops_per_token = flops_per_token
         self.world_size = world_size
         self.step_times: list[float] = []
@@ -696,6 +682,7 @@ class Run:
     n_params: int
     flops_per_token: int
     vocab_size: int = 0  # the model's: every token id must be below it
+    data_rank: int = 0  # batches are drawn by it (hybrid: the replica, see hybrid.data_rank)
 
 
 def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
@@ -729,8 +716,9 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     resume_state = restore(args, booster, model, optimizer, lr_scheduler, rank, device)
     if lazy and resume_state is None:  # a fresh start (--resume auto may find nothing)
         booster.load_model(model, args.model_path)
+    index = hybrid.data_rank(args, rank, int(os.environ.get("WORLD_SIZE", "1")))
     return Run(booster, model, optimizer, lr_scheduler, train_windows, val_windows,
-               resume_state, n_params, fpt, vocab_size)
+               resume_state, n_params, fpt, vocab_size, index)
 
 
 def resume_candidates(args: argparse.Namespace) -> list[Path]:
@@ -813,7 +801,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         write_run_config(out_dir, args, world_size, device, run)
         print(f"[train] {run.n_params / 1e6:.2f}M params, model={args.model or args.model_path} "
               f"compile={args.compile} activation_checkpointing={args.activation_checkpointing} "
-              f"plugin={args.plugin} "
+              f"plugin={hybrid.describe(args)} "
               f"precision={args.precision} fp8={args.use_fp8} fp8_comm={args.fp8_comm} "
               f"world_size={world_size} device={device} start_step={start_step} "
               f"out_dir={out_dir}", flush=True)
@@ -837,7 +825,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                                      "--precision bf16")
         logger.step(step, loss, grad_norm, lr, seconds, mem, skipped)
         if run.val_windows is not None and args.eval_every and step % args.eval_every == 0:
-            val_loss = evaluate(run.model, run.val_windows, args, rank, world_size, device)
+            val_loss = evaluate(run, args, world_size, device)
             logger.eval(step, val_loss)
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             state = dict(world_size=world_size, out_dir=str(out_dir), seed=args.seed,
@@ -852,7 +840,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 announce(logger, f"[train] step {step}: saved checkpoint {saved} "
                                  f"(resume with --resume {save_dir})")
     if run.val_windows is not None and (not args.eval_every or args.steps % args.eval_every):
-        val_loss = evaluate(run.model, run.val_windows, args, rank, world_size, device)
+        val_loss = evaluate(run, args, world_size, device)
         logger.eval(args.steps, val_loss)
     logger.close()
     return finish(logger, val_loss, out_dir, args, start_step) if rank == 0 else {}

@@ -216,11 +216,50 @@ def test_cosine_schedule_with_warmup(ex):
     (["--data", "/nonexistent.txt"], "is not a file"),
     (["--model-path", "/nonexistent"], "not a directory"),
     (["--resume", "/nonexistent"], "not a complete checkpoint"),
+    # pipeline parallelism (--pp): --plugin hybrid cases run on 4 ranks unless they say
+    (["--pp", "2"], "--pp configure --plugin hybrid"),
+    (["--plugin", "zero1", "--microbatches", "2"], "--microbatches configure --plugin hybrid"),
+    (["--plugin", "hybrid", "--pp-style", "zbv"], "--pp-style configure a pipeline"),
+    (["--plugin", "hybrid", "--pp", "2", "--tp", "2", "world=2"], "--pp 2 = 4 ranks"),
+    (["--plugin", "hybrid", "--pp", "3"], "--tp 1 x --pp 3 = 3 ranks per model replica"),
+    (["--plugin", "hybrid", "--pp", "2", "--zero", "2"], "needs --zero 0 or 1"),
+    (["--plugin", "hybrid", "--pp", "4", "--pp-style", "interleaved"],
+     "4 decoder layers do not split evenly over --pp 4 x 2 chunks"),
+    (["--plugin", "hybrid", "--pp", "2", "--model", "gpt2"], "--model gpt2 is not one"),
+    (["--plugin", "hybrid", "--pp", "2", "--microbatches", "3"],
+     "--microbatches 3 must be >= 1 and divide the step's 8 rows"),
+    (["--plugin", "hybrid", "--pp", "4", "--microbatches", "2", "--preset", "small"],
+     "--pp-style 1f1b needs --microbatches >= --pp"),
+    (["--plugin", "hybrid", "--pp", "2", "--batch-size", "3"], "no micro-batch count divides"),
 ])
 def test_bad_arguments_raise_before_any_work(ex, argv, match):
+    world = 4 if "hybrid" in argv else 1  # "world=N" in a case: N ranks
+    world = next((int(a[6:]) for a in argv if a.startswith("world=")), world)
+    argv = [a for a in argv if not a.startswith("world=")]
     args = ex.train.parse_args(argv)
     with pytest.raises(ValueError, match=match):
-        ex.train.validate_args(args, world_size=1)
+        ex.train.validate_args(args, world_size=world)
+
+
+def test_pipeline_defaults_and_gradient_accumulation_map_onto_micro_batches(ex):
+    """--microbatches defaults to the smallest multiple of --pp >= --grad-accum dividing the
+    step's rows; --grad-accum joins its batches into the pipeline's step batch."""
+    hybrid = ["--plugin", "hybrid", "--pp", "2"]
+    for extra, want in (([], 2), (["--grad-accum", "3"], 4), (["--batch-size", "6"], 2), (["--pp", "4"], 4),
+                        (["--pp-style", "zbv", "--batch-size", "4", "--grad-accum", "2"], 2)):
+        args = ex.train.parse_args(hybrid + extra)
+        ex.train.validate_args(args, world_size=4)
+        assert args.microbatches == want, extra
+    assert ex.train.parse_args(["--plugin", "hybrid"]).microbatches is None
+    args = ex.train.parse_args(hybrid + ["--grad-accum", "3", "--batch-size", "2"])
+    import hybrid as hy
+    windows = ex.data.TokenWindows(torch.arange(1000), seq_len=16, seed=0)
+    batch = hy.step_batch(windows, args, step=5, index=1, vocab_size=1000)
+    assert batch.shape == (6, 16)
+    assert torch.equal(batch[2:4], windows.batch(5, 1, 1, 2))  # grad-accum micro-step 1
+    assert [hy.data_rank(args, r, 8) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    args = ex.train.parse_args(["--plugin", "hybrid", "--tp", "2", "--pp", "2"])
+    assert [hy.data_rank(args, r, 8) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_plugin_none_rejects_several_ranks(ex):
