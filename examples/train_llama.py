@@ -10,6 +10,9 @@ on a 2-core CPU in about a minute::
     python examples/train_llama.py --use-fp8 --compile --activation-checkpointing
     python examples/train_llama.py --use-fp8 --model-path DIR        # any local HF causal LM
     torchrun --nproc_per_node=2 examples/train_llama.py --plugin zero2 --use-fp8 --fp8-comm
+    # tensor x pipeline parallel (4 ranks, one replica): steps through booster.execute_pipeline
+    torchrun --nproc_per_node=4 examples/train_llama.py --plugin hybrid --tp 2 --pp 2 \
+        --use-fp8 --fp8-comm
     torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
         --use-fp8 --data ../shared/data/shakespeare.txt --save-every 200 --save-dir ckpt
     # continue from ckpt/latest (any world size; same preset, batches are a function of step)
@@ -25,9 +28,12 @@ Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``s
 ``Booster(mixed_precision=...)``; ``ddp`` / ``zero1`` / ``zero2`` / ``gemini`` / ``fsdp`` use
 ``TorchDDPPlugin`` / ``LowLevelZeroPlugin(stage=1|2)`` / ``GeminiPlugin`` (ZeRO-3 on FSDP2) /
 ``TorchFSDPPlugin``; ``hybrid`` uses ``HybridParallelPlugin`` (``--tp``, ``--sp``,
-``--zero``). ``--compile`` compiles each decoder block in place; ``--activation-checkpointing``
-recomputes each block in backward; both work with every plugin. With ``gemini`` or ``fsdp``, ``--model-path`` builds the model on the meta
-device and each rank reads only its shards of the checkpoint (no full copy per rank).
+``--zero``, and pipeline parallelism with ``--pp``, ``--pp-style``, ``--microbatches``: see
+``hybrid.py``). ``--compile`` compiles each decoder block in place;
+``--activation-checkpointing`` recomputes each block in backward; both work with every plugin.
+With ``gemini`` or ``fsdp``, ``--model-path`` builds the model on the meta device and each rank
+reads only its shards of the checkpoint (no full copy per rank). Model building is in
+``model_setup.py``, run records in ``run_log.py``.
 """
 from __future__ import annotations
 
@@ -35,13 +41,9 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
-import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -61,10 +63,13 @@ import faults  # noqa: E402
 import hybrid  # noqa: E402
 import metrics as metrics_lib  # noqa: E402
 import presets  # noqa: E402
+# Model building and run logging live beside this file; their names are re-exported here.
+from model_setup import (MODEL_FAMILIES, build_model, check_model_folder,  # noqa: E402,F401
+                         cosine_with_warmup, decoder_blocks, family_config, make_optimizer,
+                         prepare_model)
+from run_log import RunLogger, announce, finish, summarize, write_run_config  # noqa: E402,F401
 
 PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid")
-# --model: HF families built from a size preset (random init); --model-path takes any causal LM.
-MODEL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 # Warnings every rank would print identically: rank 0 alone says them.
 RANK0_WARNINGS = (r"fp8boost: FP8 tensor cores unavailable", r"fp8boost: no linear layer",
                   r"fp8boost: use_fp8=True but no linear layer")
@@ -210,30 +215,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         check_resume(args)
 
 
-def check_model_folder(path: str) -> Path:
-    """A local pretrained folder: ``config.json`` of a transformers causal LM + safetensors.
-
-    Raises:
-        ValueError: the folder, its config or weights are missing, or its type is no causal LM.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"--model-path {path!r} is not a directory; pass a local folder "
-                         "with config.json and *.safetensors (downloads are not supported)")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--model-path {path!r} has no config.json")
-    if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"--model-path {path!r} has no *.safetensors weights; save the model "
-                         "with save_pretrained(..., safe_serialization=True)")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"--model-path holds a {model_type!r} model, which transformers' "
-                         "AutoModelForCausalLM does not build; pass a causal language model")
-    return folder
-
-
 def save_dir_of(args: argparse.Namespace, out_dir: Optional[Path]) -> Optional[Path]:
     """Where checkpoints go: ``--save-dir``, else ``<out-dir>/checkpoints``."""
     if args.save_dir:
@@ -349,116 +330,6 @@ def make_plugin(args: argparse.Namespace, fp8_config):
     return plugin
 
 
-def family_config(family: str, preset: str, vocab_size: int, max_pos: int):
-    """The HF config of ``--model FAMILY`` at the ``--preset`` size (random init)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    size = presets.PRESETS[preset]
-    defaults = CONFIG_MAPPING[family]()
-    # Family defaults (e.g. GPT-2's token id 50256) can point past a small tokenizer's vocabulary.
-    ids = {key: None for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-           if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= vocab_size}
-    if family == "gpt2":  # GPT-2 names its sizes differently and has learned positions
-        config = AutoConfig.for_model(
-            "gpt2", n_embd=size["hidden_size"], n_layer=size["num_hidden_layers"],
-            n_head=size["num_attention_heads"], n_inner=size["intermediate_size"],
-            n_positions=max_pos, vocab_size=vocab_size, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, **ids)
-    else:
-        config = AutoConfig.for_model(family, **size, vocab_size=vocab_size,
-                                      max_position_embeddings=max_pos,
-                                      tie_word_embeddings=False, attention_dropout=0.0, **ids)
-    return config
-
-
-def build_model(args: argparse.Namespace, vocab_size: int, max_pos: int,
-                device: torch.device) -> torch.nn.Module:
-    """``--model`` at ``--preset`` size, or ``--model-path`` (structure only on meta)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if args.model == "llama":  # the presets' own builder: same weights as before --model
-        return presets.build_model(args.preset, vocab_size, max_pos, device=device,
-                                   seed=args.seed)
-    if args.model is not None:
-        torch.manual_seed(args.seed)  # every rank builds identical weights
-        with torch.device(device):
-            return AutoModelForCausalLM.from_config(
-                family_config(args.model, args.preset, vocab_size, max_pos))
-    folder = str(check_model_folder(args.model_path))
-    if device.type == "meta":  # weights come later, shard by shard (booster.load_model)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(folder, local_files_only=True))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
-                                                     dtype=torch.float32).to(device)
-    if model.config.vocab_size < vocab_size:
-        raise ValueError(f"the pretrained model's vocabulary ({model.config.vocab_size}) is "
-                         f"smaller than the tokenizer's ({vocab_size}); pass --tokenizer "
-                         "pointing at the model's own tokenizer folder")
-    return model
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks: children of the first ``nn.ModuleList`` (HF: ``model.layers``,
-    GPT-2: ``transformer.h``)."""
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
-            return list(mod)
-    return []
-
-
-def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> int:
-    """``--activation-checkpointing`` and ``--compile``, before boost; returns blocks compiled.
-
-    ``Module.compile`` compiles in place (parameter names and the module tree stay, so plugins,
-    FP8 conversion and checkpoints see the same model) and lazily: the FP8 layers the plugin
-    swaps in during ``boost`` are what gets traced at the first step.
-    """
-    if args.activation_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"{type(model).__name__} does not support activation "
-                             "checkpointing in transformers; drop --activation-checkpointing")
-        # Non-reentrant: works with FSDP2, DDP and torch.compile.
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # the name in newer transformers
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if not args.compile:
-        return 0
-    blocks = decoder_blocks(model)
-    if not blocks:
-        raise ValueError("--compile compiles each decoder block, but the model has no "
-                         "nn.ModuleList of blocks")
-    for block in blocks:
-        block.compile(backend=args.compile_backend)
-    return len(blocks)
-
-
-def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int,
-                       min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to the peak lr over ``warmup`` steps, then cosine decay to
-    ``min_ratio * peak`` at step ``total``."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
-    """AdamW; no weight decay on norms and biases (1-D parameters), as usual for LLMs."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 def clip_gradients(booster, model, optimizer, args: argparse.Namespace) -> Optional[float]:
     """Clip the global grad norm to ``--max-norm`` (over all shards for ZeRO); returns the
     norm before clipping (inf when FP16 gradients overflowed and the step will be skipped)."""
@@ -559,113 +430,6 @@ def make_out_dir(args: argparse.Namespace, resume_state: Optional[dict], rank: i
     if world_size > 1:
         dist.broadcast_object_list(stamp, src=0)  # ranks must not disagree by a second
     return Path("runs") / stamp[0]
-
-
-def write_run_config(out_dir: Path, args: argparse.Namespace, world_size: int,
-                     device: torch.device, run: "Run") -> None:
-    """``run_config.json``: every option plus the environment, so a run can be reproduced."""
-    import transformers
-
-    info = dict(vars(args), world_size=world_size, device=str(device),
-                device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
-                else platform.processor() or platform.machine(),
-                torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), command=" ".join(sys.argv),
-                n_params=run.n_params, flops_per_token=run.flops_per_token,
-                date=datetime.datetime.now().isoformat(timespec="seconds"))
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    (out_dir / "run_config.json").write_text(json.dumps(info, indent=2, default=str))
-
-
-class RunLogger:
-    """Per-step metrics: JSONL records and the progress display (rank 0 only)."""
-
-    def __init__(self, out_dir: Path, args: argparse.Namespace, start_step: int, enabled: bool,
-                 flops_per_token: int, world_size: int) -> None:
-        self.writer = metrics_lib.MetricsWriter(out_dir / "metrics.jsonl", enabled=enabled)
-        self.tensorboard = metrics_lib.TensorBoardWriter(
-            out_dir / "tensorboard", enabled=enabled and args.tensorboard)
-        self.progress = metrics_lib.Progress(args.steps, initial=start_step,
-                                             enabled=enabled and not args.no_progress,
-                                             print_every=args.log_every)
-        # Tokens per optimizer step over every replica (hybrid: tp x pp ranks share a batch).
-        self.tokens_per_step = (args.batch_size * args.grad_accum * args.seq_len *
-                                hybrid.data_parallel_size(args, world_size))
-        self.flops_per_token = flops_per_token
-        self.world_size = world_size
-        self.step_times: list[float] = []
-        self.losses: list[float] = []
-        self.t0 = time.perf_counter()
-
-    def step(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
-             seconds: float, mem_gib: float, skipped: bool = False) -> None:
-        self.step_times.append(seconds)
-        if skipped:  # a non-finite step the guard skipped: logged, kept out of the summary
-            self.writer.write(dict(kind="train", step=step, loss=None, skipped=True, lr=lr))
-            self.progress.write(f"[train] step {step}: non-finite loss/gradient, step skipped")
-            return
-        self.losses.append(loss)
-        tok_s = self.tokens_per_step / seconds
-        tflops = self.flops_per_token * tok_s / self.world_size / 1e12
-        record = dict(kind="train", step=step, loss=loss, lr=lr, grad_norm=grad_norm,
-                      tokens=step * self.tokens_per_step, step_time_s=seconds,
-                      tokens_per_s=tok_s, tflops_per_device=tflops, peak_mem_gib=mem_gib,
-                      elapsed_s=time.perf_counter() - self.t0)
-        self.writer.write(record)
-        self.tensorboard.scalars(step, {"train/loss": loss, "train/lr": lr,
-                                        "train/grad_norm": grad_norm, "perf/tokens_per_s": tok_s,
-                                        "perf/peak_mem_gib": mem_gib})
-        recent = self.step_times[-10:]
-        smooth_tok_s = self.tokens_per_step * len(recent) / sum(recent)
-        self.progress.update(step, {
-            "loss": loss, "tok/s": round(smooth_tok_s),
-            "TFLOP/s": smooth_tok_s * self.flops_per_token / self.world_size / 1e12,
-            "mem": f"{mem_gib:.2f}G"})
-
-    def eval(self, step: int, val_loss: float) -> None:
-        self.writer.write(dict(kind="eval", step=step, val_loss=val_loss))
-        self.tensorboard.scalars(step, {"eval/loss": val_loss})
-        self.progress.write(f"[train] step {step}: validation loss {val_loss:.4f}")
-
-    def close(self) -> None:
-        self.progress.close()
-        self.writer.close()
-        self.tensorboard.close()
-
-
-def announce(logger: RunLogger, message: str) -> None:
-    """Print a line now, through the progress bar when there is one (so it stays intact)."""
-    bar = getattr(logger.progress, "bar", None)
-    if bar is not None:
-        bar.write(message)
-    else:
-        print(message, flush=True)
-
-
-def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
-              args: argparse.Namespace, start_step: int) -> dict[str, Any]:
-    """``summary.json``: first/last losses (means of up to 10 steps each, never overlapping),
-    median speed, peak memory."""
-    times = logger.step_times[1:] or logger.step_times  # step 1 pays one-off warm-up costs
-    median = statistics.median(times) if times else float("nan")
-    tok_s = logger.tokens_per_step / median if times else float("nan")
-    # A run of <= 20 steps gets shorter windows: overlapping ones printed "loss a -> a".
-    window = max(1, min(10, len(logger.losses) // 2))
-    summary = dict(
-        steps_run=len(logger.losses), start_step=start_step, end_step=args.steps,
-        loss_window=window,
-        first_loss=statistics.fmean(logger.losses[:window]) if logger.losses else None,
-        last_loss=statistics.fmean(logger.losses[-window:]) if logger.losses else None,
-        val_loss=val_loss, median_step_time_s=median, tokens_per_s=tok_s,
-        tokens_per_s_per_device=tok_s / logger.world_size,
-        tflops_per_device=tok_s * logger.flops_per_token / logger.world_size / 1e12,
-        wall_time_s=time.perf_counter() - logger.t0)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 @dataclasses.dataclass
@@ -844,25 +608,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         logger.eval(args.steps, val_loss)
     logger.close()
     return finish(logger, val_loss, out_dir, args, start_step) if rank == 0 else {}
-
-
-def finish(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
-           args: argparse.Namespace, start_step: int) -> dict[str, Any]:
-    """Rank 0: summary.json, the loss plot and a closing line."""
-    summary = summarize(logger, val_loss, out_dir, args, start_step)
-    title = f"{args.preset} {args.plugin} {'fp8' if args.use_fp8 else args.precision}"
-    png = metrics_lib.plot_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss.png", title)
-    val = f"{val_loss:.3f}" if val_loss is not None else "n/a"
-    if summary["steps_run"] < 2:
-        losses = f"loss {summary['last_loss']:.3f} ({summary['steps_run']} step)"
-    else:
-        window = summary["loss_window"]
-        losses = (f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} (mean of "
-                  f"first/last {window} step{'s' if window > 1 else ''})")
-    print(f"[train] done: {losses}, validation {val}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, metrics in {out_dir}"
-          + (f", plot {png}" if png else ""), flush=True)
-    return summary
 
 
 def main(argv: Optional[list[str]] = None) -> int:
