@@ -117,8 +117,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "compute")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=None, help="micro-batch size per rank")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="micro-batch size per rank (hybrid: per model replica)")
+    g.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (--pp > 1: joined into one step batch "
+                        "that the pipeline splits into --microbatches)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
