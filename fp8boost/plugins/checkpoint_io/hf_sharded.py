@@ -212,15 +212,7 @@ def write_gathered(module: nn.Module, directory: str, shard: bool, size_mb: floa
         raise sink.failure
     if not writer:
         return
-    if shard:
-        weight_map = {k: n for n, keys in zip(names, plan) for k in keys}
-        total = sum(t.numel() * t.element_size() for t in sd.values())
-        with open(os.path.join(directory, cio.MODEL_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    for attr in ("config", "generation_config"):  # what from_pretrained needs beside weights
-        cfg = getattr(module, attr, None)
-        if cfg is not None and hasattr(cfg, "save_pretrained"):
-            cfg.save_pretrained(directory)
+    write_index_and_config(module, directory, names, plan, sd, shard)
 
 
 # ------------------------------------------------------------------------------ reading
@@ -265,6 +257,22 @@ class _NamedErrors:
                                       "truncated or corrupt: restore it or load another "
                                       "checkpoint)") from exc
         return False
+
+
+def write_index_and_config(module: nn.Module, directory: str, names: list[str],
+                           plan: list[list[str]], tensors: dict[str, torch.Tensor],
+                           shard: bool) -> None:
+    """The HF index of a sharded export (``tensors``: every saved key, full size; only numel
+    and dtype are read, so meta tensors do), and the config files ``from_pretrained`` needs."""
+    if shard:
+        weight_map = {k: n for n, keys in zip(names, plan) for k in keys}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(directory, cio.MODEL_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    for attr in ("config", "generation_config"):  # what from_pretrained needs beside weights
+        cfg = getattr(module, attr, None)
+        if cfg is not None and hasattr(cfg, "save_pretrained"):
+            cfg.save_pretrained(directory)
 
 
 def checkpoint_files(directory: str) -> list[str]:

@@ -102,20 +102,6 @@ def _gather_tp(t: torch.Tensor, dim: int, group, size: int, dst: int) -> Optiona
     return torch.cat(parts, dim=dim) if me else None
 
 
-def _write_index_and_config(module: nn.Module, directory: str, names: list[str],
-                            plan: list[list[str]], shapes: dict[str, torch.Tensor],
-                            shard: bool) -> None:
-    if shard:
-        weight_map = {k: n for n, keys in zip(names, plan) for k in keys}
-        total = sum(t.numel() * t.element_size() for t in shapes.values())
-        with open(os.path.join(directory, cio.MODEL_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    for attr in ("config", "generation_config"):  # what from_pretrained needs beside weights
-        cfg = getattr(module, attr, None)
-        if cfg is not None and hasattr(cfg, "save_pretrained"):
-            cfg.save_pretrained(directory)
-
-
 def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
                       size_mb: float) -> None:
     """Write the full model in HF layout into ``directory``; collective over the world.
@@ -127,7 +113,7 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     if plugin.pp_size > 1:
         from .hybrid_pp import write_hf_gathered_pp
         return write_hf_gathered_pp(plugin, model, directory, shard, size_mb, _tp_layout,
-                                    _gather_tp, _full_shape, _write_index_and_config)
+                                    _gather_tp, _full_shape, hf.write_index_and_config)
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
     dims, group, size, _ = _tp_layout(plugin)
@@ -157,7 +143,7 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
         return
     if sink.failure is not None:
         raise sink.failure
-    _write_index_and_config(module, directory, names, plan, shapes, shard)
+    hf.write_index_and_config(module, directory, names, plan, shapes, shard)
 
 
 # ------------------------------------------------------------------------------ reading
