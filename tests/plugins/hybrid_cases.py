@@ -13,13 +13,14 @@ import torch.distributed as dist
 VOCAB, SEQ, GLOBAL_BATCH = 256, 16, 4
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, tie: bool = False):
-    """A 2-layer GQA decoder (8 heads, 4 kv heads, FFN 128, vocab 256): tp 2 and 4 divide it."""
+def tiny_model(arch: str = "llama", seed: int = 0, tie: bool = False, layers: int = 2):
+    """A GQA decoder (8 heads, 4 kv heads, FFN 128, vocab 256; 2 layers by default): tp 2 and 4
+    divide it."""
     import transformers
 
     torch.manual_seed(seed)
     kw = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-              num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
+              num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
               tie_word_embeddings=tie)
     cfg = (transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig)(**kw)
     return transformers.AutoModelForCausalLM.from_config(cfg)
@@ -30,9 +31,10 @@ def global_batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
 
 
-def gathered_masters(plugin, opt) -> dict[str, torch.Tensor]:
-    """Every parameter's full FP32 master (gathered over dp, then over tp), by name."""
-    model = opt_model(plugin)
+def gathered_masters(plugin, opt, model=None) -> dict[str, torch.Tensor]:
+    """Every parameter's full FP32 master (gathered over dp, then over tp), by name; with
+    pipeline stages, those of ``model`` (this rank's stages)."""
+    model = opt_model(plugin) if model is None else model
     full = opt.full_master_params()  # local tp shards, whole over dp
     by_id = {id(p): f for p, f in zip(opt.params, full)}
     out = {}

@@ -12,19 +12,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tests.plugins import hybrid_cases
+
 VOCAB, SEQ, GLOBAL_BATCH = 256, 16, 8
 
 
 def tiny_model(layers: int, arch: str = "llama", tie: bool = False, seed: int = 0):
-    """A GQA decoder (hidden 64, 8 heads, 4 kv heads, FFN 128, vocab 256) with ``layers`` layers."""
-    import transformers
-
-    torch.manual_seed(seed)
-    kw = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-              num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64,
-              use_cache=False, tie_word_embeddings=tie)
-    cfg = (transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig)(**kw)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    """The hybrid tests' GQA decoder (hidden 64, 8 heads, 4 kv heads, FFN 128, vocab 256) with
+    ``layers`` layers."""
+    return hybrid_cases.tiny_model(arch, seed=seed, tie=tie, layers=layers)
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -34,17 +30,7 @@ def global_batch(step: int) -> torch.Tensor:
 
 def _full_masters(plugin, model, opt) -> dict[str, torch.Tensor]:
     """This rank's parameters (its stages), FP32 masters gathered over dp and tp, by name."""
-    by_id = {id(p): f for p, f in zip(opt.params, opt.full_master_params())}
-    out = {}
-    for name, p in model.named_parameters():
-        t = by_id[id(p)]
-        dim = plugin.tp_state.shard_dims.get(name) if plugin.tp_state is not None else None
-        if dim is not None:
-            parts = [torch.empty_like(t) for _ in range(plugin.tp_state.size)]
-            dist.all_gather(parts, t.contiguous(), group=plugin.tp_state.group)
-            t = torch.cat(parts, dim=dim)
-        out[name] = t
-    return out
+    return hybrid_cases.gathered_masters(plugin, opt, model)
 
 
 def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32",
