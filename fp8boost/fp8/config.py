@@ -16,6 +16,7 @@ RECIPES = ("tensorwise", "delayed")
 FORMATS = ("hybrid", "e4m3")
 BACKENDS = ("auto", "triton", "cublas", "emulated")
 AMAX_ALGOS = ("max", "most_recent")
+COMPILED_CASTS = ("inductor", "kernel")
 DEFAULT_MIN_NUMEL = 4096 * 4096
 
 
@@ -68,7 +69,25 @@ class Fp8Config:
     """Fast accumulation in the weight-gradient GEMM (off: long K = tokens)."""
 
     cache_weight_cast: bool = True
-    """Reuse the weight's FP8 cast while the weight is unchanged (micro-batches, grad accumulation)."""
+    """Reuse the weight's FP8 cast while the weight is unchanged, from its second forward on
+    (micro-batches, gradient accumulation, recomputation). A weight read once per optimizer
+    step is cast each time and nothing is kept (the cache would only pin memory)."""
+
+    compiled_casts: str = "inductor"
+    """Under ``torch.compile``, how activations, gradients and weights are cast to FP8.
+    ``inductor``: amax, scale and saturating cast as plain torch ops, which inductor fuses into
+    the kernels that produce the tensor (RMSNorm, SiLU*mul, residual adds) and may recompute in
+    backward instead of saving; only the GEMM stays an opaque op. The scale may differ from
+    eager's in the last bit (inductor's FP32 division), so compiled and eager casts can round a
+    few elements differently. ``kernel``: fp8boost's Triton cast kernel as one opaque op per
+    cast (bit-identical to eager, but nothing fuses into it). Eager mode always uses the
+    kernel."""
+
+    share_input_casts: bool = True
+    """Eager, tensorwise scaling: layers that read the same input tensor (q/k/v, gate/up) share
+    one FP8 cast of it (one amax + cast instead of three, and one saved FP8 copy for backward).
+    Exact: the shared cast is the one each layer would have made. Under ``torch.compile`` the
+    compiler's common-subexpression elimination does the same."""
 
     skip_module_names: tuple[str, ...] = ("lm_head",)
     """Default filter: linear layers whose qualified name ends with one of these stay high precision."""
@@ -95,6 +114,7 @@ class Fp8Config:
         _check_choice("fp8_format", self.fp8_format, FORMATS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
+        _check_choice("compiled_casts", self.compiled_casts, COMPILED_CASTS)
         for name in ("amax_history_len", "margin", "min_features", "min_numel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -9,8 +9,9 @@ as Hopper FP8 tensor cores require:
 
 So each cast emits the row-major copy and, when backward needs it, the transposed copy in one
 pass. Backward saves ``xq_t`` (1 byte/element), never the BF16 input. Bias stays in high
-precision. The weight cast is cached while the weight is unchanged: micro-batches and gradient
-accumulation reuse it. Any optimizer step (a global ``torch.optim`` step hook, registered on
+precision. From the second forward of an unchanged weight on (micro-batches, gradient
+accumulation, activation recomputation), its cast is cached and reused; with one forward per
+step nothing is kept, since the cached row-major copy would only pin memory until the step. Any optimizer step (a global ``torch.optim`` step hook, registered on
 first use, since fused optimizers do not bump version counters), an in-place write to the
 Parameter (its version counter) or a new storage invalidates it. Writes through ``.data`` are
 invisible to all three: call :func:`invalidate_weight_caches` after them.
@@ -22,6 +23,7 @@ then. The weight gradient is still a plain tensor of the weight's dtype.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -29,6 +31,7 @@ from torch import nn
 
 from fp8boost import _state
 
+from . import shared_cast
 from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import Fp8Config
@@ -193,26 +196,33 @@ class Fp8Linear(nn.Linear):
             self._fp8_backend = get_backend(self.fp8_config.backend, device)
             self._backend_device = device
 
+    def _cast_fn(self):
+        """The backend's cast, or under ``torch.compile`` with ``compiled_casts="inductor"``
+        the reference torch-op cast, which inductor fuses into the producing kernels."""
+        backend = self._fp8_backend
+        if self.fp8_config.compiled_casts == "inductor" and _compiling():
+            return functools.partial(Fp8Backend.quantize, backend)
+        return backend.quantize
+
     def _quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype,
                   with_transpose: bool) -> Fp8Tensor:
-        cfg, backend = self.fp8_config, self._fp8_backend
+        cfg, cast = self.fp8_config, self._cast_fn()
         if not self._delayed:
             group = self._amax_groups.get(role)
             if group is not None:  # a shard: scale from the whole tensor's amax
                 a = amax(x)
                 torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
                 scale = scale_from_amax(a, dtype, cfg.margin, cfg.power_of_2_scale)
-                q, _ = backend.quantize(x, dtype, scale=scale, with_transpose=with_transpose)
+                q, _ = cast(x, dtype, scale=scale, with_transpose=with_transpose)
                 return q
-            q, _ = backend.quantize(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
-                                    with_transpose=with_transpose)
+            q, _ = cast(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
+                        with_transpose=with_transpose)
             return q
         i = _ROLES.index(role)
         state = self._delayed[role].bind(self.fp8_amax_history[i], self.fp8_scale[i])
         if not state.initialized:
             state.seed(state.reduce(amax(x)))
-        q, a = backend.quantize(x, dtype, scale=state.scale.clone(),
-                                with_transpose=with_transpose)
+        q, a = cast(x, dtype, scale=state.scale.clone(), with_transpose=with_transpose)
         state.record(state.reduce(a))
         return q
 
@@ -230,8 +240,18 @@ class Fp8Linear(nn.Linear):
             _state.warn_once(("fp8-linear-prequantized-input", why),
                              f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 input: {why}")
             x2d = dequantize_weight(x2d)
-        return self._quantize("input", x2d, self.fp8_config.fwd_dtype,
-                              with_transpose=with_transpose)
+        src = None if _compiling() else self.__dict__.get("_share_src")
+        if src is None:
+            return self._quantize("input", x2d, self.fp8_config.fwd_dtype,
+                                  with_transpose=with_transpose)
+        cfg = self.fp8_config
+        key = (cfg.fwd_dtype, cfg.margin, cfg.power_of_2_scale, self._fp8_backend.name,
+               self._amax_groups.get("input"), tuple(x2d.shape), x2d.stride())
+        q = shared_cast.lookup(src, key, with_transpose)
+        if q is None:
+            q = self._quantize("input", x2d, cfg.fwd_dtype, with_transpose=with_transpose)
+            shared_cast.store(src, key, q)
+        return q
 
     def _carrier_mismatch(self, x: Fp8WeightTensor):
         if x._data.dtype != self.fp8_config.fwd_dtype:
@@ -327,16 +347,21 @@ class Fp8Linear(nn.Linear):
                              f"prequantized FP8 weight: {why}")
             self._pre_w = None
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
-        key = None
+        keep = False
         if use_cache:
             key = (w.data_ptr(), w._version, _state.step_epoch(), w.dtype, w.device,
                    self._fp8_backend.name)
             if self._w_cache is not None and self._w_cache[0] == key:
-                return self._w_cache[1]  # cached casts always carry the transpose
+                if self._w_cache[1] is not None:
+                    return self._w_cache[1]  # cached casts always carry the transpose
+                # The second forward of this weight (micro-batches, recomputation): from now on
+                # the cast pays for the memory it pins. After only one forward per step it
+                # would not: the row-major copy would live, unused, until the next step.
+                keep = True
         # Always emit the transpose when caching: the next backward will want it.
         wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
-                            with_transpose=with_transpose or use_cache)
-        self._w_cache = (key, wq) if use_cache else None
+                            with_transpose=with_transpose or keep)
+        self._w_cache = (key, wq if keep else None) if use_cache else None
         return wq
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,7 +371,15 @@ class Fp8Linear(nn.Linear):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
+        if _compiling() or not self.fp8_config.share_input_casts or self._delayed \
+                or isinstance(x, Fp8WeightTensor):
+            y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
+        else:  # eager tensorwise layers reading the same tensor share its cast (shared_cast)
+            self._share_src = x
+            try:
+                y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
+            finally:
+                self._share_src = None
         # A 2-D input gets the GEMM output itself, not a view of it: FSDP2 warns about modules
         # returning views (an in-place op on one would drop its pre-backward hook).
         return y if x.dim() == 2 else y.view(*lead, self.out_features)

@@ -48,6 +48,7 @@ class GemmConfig(NamedTuple):
     warps: int
     subtile: bool  # store the epilogue in two BLOCK_N/2 halves (less shared memory)
     lagged: bool = False  # promoted mode only: add block i-1's partial while block i computes
+    promote: int = 128  # promoted mode only: K elements per FP32 promotion (<= block_k)
 
 
 # Candidates timed once per (M bucket, N, K, dtypes, accumulation, bias). 128x256x128 with 8
@@ -291,7 +292,7 @@ def _launcher(a, b, a_inv, b_inv, bias, out_dtype, fast, use_tma):
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         grid = (min(sms, tiles),)
-        promote = None if fast else min(128, cfg.block_k)
+        promote = None if fast else min(cfg.promote, cfg.block_k)
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     GROUP_M=cfg.group_m, NUM_SMS=sms, HAS_BIAS=bias is not None,
                     SUBTILE=cfg.subtile, PROMOTE=promote, OUT_DTYPE=out_tl,

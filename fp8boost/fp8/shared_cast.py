@@ -1,0 +1,78 @@
+"""One FP8 cast per input tensor, shared by the layers that read it (eager mode).
+
+In a Llama block, ``q_proj``, ``k_proj`` and ``v_proj`` read the same normed hidden state, and
+``gate_proj`` and ``up_proj`` the same MLP input. With tensorwise scaling each of them would
+compute the same amax and write the same FP8 bytes (and keep its own transposed copy for
+backward). Here the first layer's cast is remembered and the next layers that get the very same
+tensor object, unchanged (same version counter) and cast the same way (format, margin,
+power-of-2 rounding, backend, amax group) reuse it: the result is exactly the cast they would
+have made.
+
+Only the most recent input is remembered, and only while that input is alive: the
+entry holds a weak reference to the source tensor and is dropped when the source is freed (for
+a Llama block, right after the last projection that reads it), so the shared FP8 copy lives no
+longer than the layers' own copies would. Under ``torch.compile`` this module is not used (the
+compiler's common-subexpression elimination merges identical casts).
+
+Example:
+    >>> import torch
+    >>> from fp8boost.fp8 import shared_cast
+    >>> x = torch.randn(4, 8)
+    >>> shared_cast.lookup(x, ("k",), with_transpose=False) is None
+    True
+    >>> shared_cast.store(x, ("k",), "fp8-of-x")
+    >>> shared_cast.lookup(x, ("k",), with_transpose=False)
+    'fp8-of-x'
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Hashable, Optional
+
+import torch
+
+
+class _Entry:
+    __slots__ = ("src", "version", "key", "fp8", "__weakref__")
+
+    def __init__(self, version: int, key: Hashable, fp8: Any) -> None:
+        self.src: Optional[weakref.ref] = None
+        self.version, self.key, self.fp8 = version, key, fp8
+
+
+# One slot for the process: a lookup checks the source's identity, so threads that interleave
+# (nn.DataParallel replicas) only miss, never get another tensor's cast.
+_SLOT: list[Optional[_Entry]] = [None]
+
+
+def lookup(src: torch.Tensor, key: Hashable, with_transpose: bool) -> Optional[Any]:
+    """The remembered cast of ``src`` made with ``key``, or None.
+
+    A cast without its transposed copy does not serve a caller that needs one.
+    """
+    entry = _SLOT[0]
+    if entry is None or entry.src() is not src or entry.version != src._version \
+            or entry.key != key:
+        return None
+    if with_transpose and getattr(entry.fp8, "data_t", None) is None:
+        return None
+    return entry.fp8
+
+
+def store(src: torch.Tensor, key: Hashable, fp8: Any) -> None:
+    """Remember ``fp8`` as the cast of ``src`` made with ``key`` (replacing the previous one)."""
+    entry = _Entry(src._version, key, fp8)
+    entry_ref = weakref.ref(entry)
+
+    def _drop(_src_ref: weakref.ref) -> None:
+        # The source died: free the shared copy now, not at the next cast.
+        if _SLOT[0] is not None and _SLOT[0] is entry_ref():
+            _SLOT[0] = None
+
+    entry.src = weakref.ref(src, _drop)
+    _SLOT[0] = entry
+
+
+def clear() -> None:
+    """Forget the remembered cast (tests; a model whose weights changed dtype)."""
+    _SLOT[0] = None
