@@ -1,23 +1,57 @@
-"""Once-per-shape config selection shared by the cast and GEMM kernels.
+"""Once-per-shape config selection shared by the cast and GEMM kernels, cached on disk.
 
 Triton's own ``@triton.autotune`` re-derives its key and runs hooks on every call, cannot bucket
 M (ragged token counts would each re-tune), and fails with more than one config under the
 interpreter. This module keeps a plain dict ``key -> best config``: the first call with a new
 key times every candidate (median of several runs, ``triton.testing.do_bench``) and caches the
 winner; every later call is one dict lookup.
+
+Decisions also persist, so a later process on the same machine skips the timing (it made a
+training run's first steps take 15-32 s on an H100): one JSON file per cache name, GPU model
+with SM count, torch and Triton version, in ``$FP8BOOST_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/fp8boost`` or ``~/.cache/fp8boost``); ``FP8BOOST_AUTOTUNE_CACHE=0`` (``off``,
+``false``) keeps decisions in memory only. ``autotune-gemm-<device>-torch<v>-triton<v>.json``::
+
+    {"format": 1, "entries": {
+        "(True, 8192, 4096, 4096, torch.float8_e4m3fn, ..., 0)":
+            {"type": "GemmConfig", "fields": [128, 256, 128, 8, 3, 8, true, false]},
+        "(False, 8192, ...)": "cublas"}}
+
+A stored config is used only if it is one of the candidates offered to that ``pick`` call (a
+stale or foreign entry can never select a kernel that is not offered); else the key is re-timed.
+
+On a cold cache each rank tunes its own keys (they hold its device index), so ranks may use
+different GEMM configs for one shape. The accumulation mode is part of the key, so these differ
+only in the order of FP32 additions (block sizes, lagged variant, cuBLAS): close, not
+bit-identical across ranks. Cast and amax kernels give the same bits under every config.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import tempfile
 import threading
-from typing import Any, Callable, Hashable, Sequence
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
+
+from ..._state import log_once
 
 _LOCK = threading.Lock()
 _SM_COUNT: dict[int, int] = {}
 _AUTOTUNE = [True]
+_CACHES: "weakref.WeakSet[ConfigCache]" = weakref.WeakSet()
+_LOG = logging.getLogger("fp8boost.fp8.kernels")
+_FORMAT = 1
+# do_bench's warmup/rep are milliseconds of running, not iteration counts. 25 ms still times a
+# 1 ms GEMM ~20 times (each after an L2 flush; a 50 us cast hundreds of times): a median stable
+# enough to rank candidates some % apart. The former 10 + 80 ms made each candidate cost 3x more.
+BENCH_WARMUP_MS = 5
+BENCH_REP_MS = 25
 
 
 def set_autotune(enabled: bool) -> None:
@@ -52,8 +86,93 @@ def bucket(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _device_identity(index: Optional[int]) -> str:
+    """GPU model and SM count (an H100 PCIe and SXM differ in SMs), or "cpu" without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if index is None or not 0 <= index < torch.cuda.device_count():
+        index = torch.cuda.current_device()
+    sms = num_sms(torch.device("cuda", index))
+    return f"{torch.cuda.get_device_name(index)}-{sms}sm"
+
+
+def _cache_dir() -> Optional[Path]:
+    """The decisions folder; None when the disk cache is off or Triton is interpreting."""
+    if os.environ.get("FP8BOOST_AUTOTUNE_CACHE", "1").strip().lower() in (
+            "0", "off", "false", "no") or interpreting():
+        return None  # (the interpreter takes the first config: nothing to tune or keep)
+    root = os.environ.get("FP8BOOST_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8boost"
+
+
+def autotune_cache_path(name: str, device_index: Optional[int] = None) -> Optional[Path]:
+    """The decisions file of cache ``name`` on this machine; None when the disk cache is off.
+
+    Args:
+        name: the :class:`ConfigCache` name ("gemm", "cast", "amax").
+        device_index: CUDA device whose model names the file (default: the current device).
+    """
+    root = _cache_dir()
+    if root is None:
+        return None
+    import triton  # the kernels that tune need it anyway
+
+    ident = (f"{name}-{_device_identity(device_index)}-torch{torch.__version__}"
+             f"-triton{triton.__version__}")
+    return root / f"autotune-{re.sub(r'[^A-Za-z0-9._-]+', '_', ident)}.json"
+
+
+def clear_autotune_cache(disk: bool = True) -> int:
+    """Forget every tuning decision of this process and (``disk``) delete the decision files.
+
+    For tests and benchmarks of a cold start. Deletes the ``autotune-*.json`` files of the
+    cache folder (every device and version); returns how many.
+    """
+    with _LOCK:
+        for cache in list(_CACHES):
+            cache.best.clear()
+            cache.timings.clear()
+            cache._disk.clear()
+    root = _cache_dir() if disk else None
+    files = list(root.glob("autotune-*.json")) if root is not None and root.is_dir() else []
+    for f in files:
+        f.unlink(missing_ok=True)
+    return len(files)
+
+
+def _encode(cfg: Any) -> Any:
+    """JSON form of a config (a NamedTuple or tuple as {"type", "fields"}); None if it has none.
+
+    Stored and offered configs are compared in this form: a NamedTuple equals a plain tuple of
+    the same fields, but one kernel's entry must never select another kernel's config.
+    """
+    obj = {"type": type(cfg).__name__, "fields": list(cfg)} if isinstance(cfg, tuple) else cfg
+    try:
+        return json.loads(json.dumps(obj))  # as read back from the file (tuples become lists)
+    except (TypeError, ValueError):
+        return None
+
+
+def _key_text(key: Hashable) -> str:
+    """A key as stored: its repr, stable for ints, bools, None and dtypes ("torch.bfloat16")."""
+    return repr(key)
+
+
+def _time_ms(fn: Callable[[], Any]) -> float:
+    """Median run time of ``fn`` in ms (tests replace this to "time" on CPU)."""
+    import triton.testing  # lazy: only on a GPU, only on first use of a shape
+
+    return triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS,
+                                   return_mode="median")
+
+
 class ConfigCache:
     """``key -> best config`` with lazy benchmarking of candidates on first use.
+
+    Keys are tuples of ints, bools, dtypes and, last, the CUDA device index (the device whose
+    model names the decisions file). Configs are NamedTuples, tuples of plain values, or strings.
 
     Example:
         >>> cache = ConfigCache("demo")
@@ -65,14 +184,18 @@ class ConfigCache:
         self.name = name
         self.best: dict[Hashable, Any] = {}
         self.timings: dict[Hashable, list[tuple[Any, float]]] = {}
+        self._disk: dict[Path, dict[str, Any]] = {}  # file -> its entries, read on first use
+        _CACHES.add(self)
 
     def pick(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None],
              bench: bool = True) -> Any:
         """Return the cached best config for ``key``, timing ``run(cfg)`` for each candidate once.
 
-        Candidates that fail to compile or launch (e.g. too much shared memory on a smaller GPU)
-        are skipped; if all fail, the last error is raised. With ``bench=False`` (interpreter,
-        or a single candidate) the first candidate is taken untimed.
+        A decision stored on disk by an earlier process is reused if it is among
+        ``candidates``. Candidates that fail to compile or launch (e.g. too much shared memory
+        on a smaller GPU) are skipped; if all fail, the last error is raised. With
+        ``bench=False`` (interpreter, or a single candidate) the first candidate is taken
+        untimed and the disk is not touched.
         """
         best = self.best.get(key)
         if best is not None:
@@ -83,33 +206,90 @@ class ConfigCache:
             if not bench or not _AUTOTUNE[0] or len(candidates) == 1:
                 self.best[key] = candidates[0]
                 return candidates[0]
+            dev = key[-1] if isinstance(key, tuple) and key else None
+            path = autotune_cache_path(self.name, dev if type(dev) is int else None)
+            best = self._load(path, key, candidates) if path is not None else None
+            if best is not None:  # file reads are fine during a CUDA-graph capture
+                _LOG.info("fp8boost %s: %s loaded from %s for %s", self.name, best, path, key)
+                self.best[key] = best
+                return best
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 # Timing inside a CUDA-graph capture is impossible: use the first candidate for
                 # this call without caching it, so an eager call later still tunes.
                 return candidates[0]
             self.best[key] = self._tune(key, candidates, run)
+            if path is not None:
+                self._store(path, key, self.best[key])
             return self.best[key]
 
-    def _tune(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None]) -> Any:
-        import triton.testing  # lazy: only on a GPU, only on first use of a shape
+    def _load(self, path: Path, key: Hashable, candidates: Sequence[Any]) -> Any:
+        """The stored decision for ``key`` if it is one of ``candidates``, else None."""
+        if path not in self._disk:
+            self._disk[path] = _read_entries(path)
+        stored = self._disk[path].get(_key_text(key))
+        if stored is None:
+            return None
+        return next((c for c in candidates if _encode(c) == stored), None)
 
+    def _store(self, path: Path, key: Hashable, cfg: Any) -> None:
+        """Merge ``key -> cfg`` into the file, atomically (other ranks may write it too)."""
+        entry = _encode(cfg)
+        if entry is None:  # not JSON-serializable: keep it in memory only
+            return
+        self._disk.setdefault(path, {})[_key_text(key)] = entry
+        try:
+            # Re-read at write time so decisions other processes stored since are kept. Two
+            # writers racing can still drop one's entry: that key is only timed again later.
+            entries = {**_read_entries(path), _key_text(key): entry}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": _FORMAT, "entries": entries}, f, indent=1,
+                              sort_keys=True)
+                os.replace(tmp, path)  # readers see the old or the new file, never half of one
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:  # e.g. a read-only home: the decisions stay in memory
+            log_once(_LOG, ("autotune-cache-write", str(path)),
+                     f"fp8boost: cannot write the autotune cache {path} ({exc}); tuning "
+                     "decisions stay in memory", level=logging.INFO)
+
+    def _tune(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None]) -> Any:
         results: list[tuple[Any, float]] = []
         last_exc: Exception | None = None
         for cfg in candidates:
             try:
                 run(cfg)  # compile + first launch outside the timed region
-                ms = triton.testing.do_bench(lambda: run(cfg), warmup=10, rep=80,
-                                             return_mode="median")
+                ms = _time_ms(lambda: run(cfg))
             except Exception as exc:  # noqa: BLE001 (e.g. OutOfResources for this config)
                 last_exc = exc
                 continue
             results.append((cfg, ms))
         if not results:
-            raise RuntimeError(f"fp8boost {self.name}: no kernel config ran for {key}") from last_exc
+            raise RuntimeError(f"fp8boost {self.name}: no kernel config ran for {key}"
+                               ) from last_exc
         self.timings[key] = results
         best, ms = min(results, key=lambda r: r[1])
         # Visible, never silent: which kernel won this shape (e.g. cuBLAS for promoted GEMMs).
-        logging.getLogger("fp8boost.fp8.kernels").info(
-            "fp8boost %s: %s picked for %s (%.3f ms of %d candidates)", self.name, best, key, ms,
-            len(results))
+        _LOG.info("fp8boost %s: %s tuned now for %s (%.3f ms of %d candidates)", self.name, best,
+                  key, ms, len(results))
         return best
+
+
+def _read_entries(path: Path) -> dict[str, Any]:
+    """The entries of a decisions file; {} if it is missing, unreadable or of another format."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") == _FORMAT and isinstance(data.get("entries"), dict):
+            return data["entries"]
+        raise ValueError(f"format {data.get('format')!r}, expected {_FORMAT}")
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, AttributeError) as exc:  # corrupt: ignore, it gets rewritten
+        log_once(_LOG, ("autotune-cache-read", str(path)),
+                 f"fp8boost: ignoring unreadable autotune cache {path} ({exc})",
+                 level=logging.INFO)
+        return {}
