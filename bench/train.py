@@ -14,6 +14,7 @@ Configs (``--configs``, comma separated; default: all but ``single_*``; ``all``:
     torchao_fsdp2                  torchao float8 (tensorwise) + FSDP2 with FP8 all-gather;
                                    recorded as skipped when torchao does not import
     single_bf16, single_fp8        Booster(mixed_precision=...), no plugin (1 process only)
+    single_torchao                 single_bf16 + torchao float8 (tensorwise) linears
     ddp_bf16, ddp_fp8, ddp_fp8_comm                TorchDDPPlugin
     zero1_bf16, zero1_fp8, zero1_fp8_comm          LowLevelZeroPlugin(stage=1)
     zero2_bf16, zero2_fp8, zero2_fp8_comm          LowLevelZeroPlugin(stage=2)
@@ -32,6 +33,9 @@ dynamo's recompile limit is raised above the layer count and a hit fails the con
 of silently running eager (``fail_on_recompile_limit_hit``), and the JSON records dynamo's
 counters (graphs captured, graph breaks); a compiled config that captured no graph is
 reported as ``not_compiled``. The model trains with ``use_cache=False`` (no KV cache guards).
+Each result also records ``first_step_s`` / ``warmup_s`` (the first warm-up step and all of
+them, compile and kernel autotuning included) and ``mfu`` (TFLOP/s over the device's dense
+BF16 peak, ``peak_bf16_tflops`` in the JSON; null for an unknown device).
 Run with plain python, every config runs in its own torchrun (``--isolate`` is the default
 there), so compile caches, limits and allocator state never leak between configs.
 
@@ -40,6 +44,7 @@ Usage::
     torchrun --nproc_per_node=2 bench/train.py                      # every config, in turn
     torchrun --nproc_per_node=2 bench/train.py --configs fsdp2_bf16,zero2_bf16,zero2_fp8
     python bench/train.py --isolate --nproc 2 --configs ...        # one torchrun per config
+    python bench/single_gpu.py                  # 1 GPU: shapes x (bf16, torchao, fp8) table
     torchrun --nproc_per_node=2 bench/train.py --device cpu --preset tiny   # CPU smoke test
 
 An out-of-memory error (or any other error) in one config is recorded in the JSON and the run
@@ -71,10 +76,13 @@ _ROOT = Path(__file__).resolve().parents[1]
 for _p in (_ROOT, _ROOT / "examples"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+if str(_ROOT / "bench") not in sys.path:  # last: bench/'s module names must not shadow others
+    sys.path.append(str(_ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import _single  # noqa: E402  (bench/_single.py)
 import presets  # noqa: E402  (examples/presets.py)
 from metrics import flops_per_token, matmul_params  # noqa: E402  (examples/metrics.py)
 
@@ -83,8 +91,9 @@ PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2", "gemini", "torch
                   for v in ("bf16", "fp8", "fp8_comm")]
 # *_fp8_comm_rs: FP8 communication with FP8 gradient reduce-scatter too (off by default).
 RS_CONFIGS = ["zero1_fp8_comm_rs", "zero2_fp8_comm_rs", "gemini_fp8_comm_rs"]
-ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", *PLUGIN_CONFIGS,
-               *RS_CONFIGS]
+ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", "single_torchao",
+               *PLUGIN_CONFIGS, *RS_CONFIGS]
+TORCHAO_CONFIGS = ("torchao_fsdp2", "single_torchao")
 DEFAULT_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", *PLUGIN_CONFIGS]
 
 
@@ -98,6 +107,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="override the preset's width")
     p.add_argument("--ffn", type=int, default=None, help="override the preset's FFN size")
     p.add_argument("--heads", type=int, default=None, help="override heads (and kv heads)")
+    p.add_argument("--kv-heads", type=int, default=None, help="override kv heads (GQA)")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--batch-size", type=int, default=2, help="micro batch per GPU")
     p.add_argument("--seq-len", type=int, default=None, help="default 4096 (256 for tiny/small)")
@@ -105,11 +115,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--fp8-min-numel", type=int, default=None,
                    help="Fp8Config.min_numel for the fp8 configs (default: the library default)")
+    p.add_argument("--fp8-options", default=None,
+                   help="extra Fp8Config fields for the fp8 configs, e.g. "
+                        "'compiled_casts=kernel,share_input_casts=False' (ablations)")
     p.add_argument("--bucket-m", type=float, default=None,
                    help="ZeRO reduce_bucket_size_in_m (default: the plugin's: 12, 64 with FP8 comm)")
     p.add_argument("--lr", type=float, default=1e-5, help="small: random data, speed only")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (all configs)")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="AdamW(fused=True) on CUDA (default off: earlier results used foreach)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--output", default=None, help="JSON path (default: $OUT or bench/results)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -187,6 +202,8 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
         overrides["intermediate_size"] = args.ffn
     if args.heads is not None:
         overrides.update(num_attention_heads=args.heads, num_key_value_heads=args.heads)
+    if getattr(args, "kv_heads", None) is not None:
+        overrides["num_key_value_heads"] = args.kv_heads
     model = presets.build_model(args.preset, args.vocab_size, max(args.seq_len, 2048),
                                 device=device, seed=0, **overrides)
     model.config.use_cache = False  # training: no KV cache (and no guards on it under compile)
@@ -245,15 +262,10 @@ def setup_fsdp2(model, args, device, torchao: bool):
     fully_shard, MixedPrecisionPolicy = _fully_shard()
     post_step: Callable[[], None] = _nothing
     if torchao:
-        from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
-                                    precompute_float8_dynamic_scale_for_fsdp)
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        def keep(mod, fqn: str) -> bool:  # same default filter as fp8boost: no lm_head
-            return "lm_head" not in fqn and mod.in_features % 16 == 0 \
-                and mod.out_features % 16 == 0
-
-        convert_to_float8_training(model, config=Float8LinearConfig(
-            enable_fsdp_float8_all_gather=True), module_filter_fn=keep)
+        # same default filter as fp8boost: no lm_head, dims multiple of 16
+        args._fp8_layers = _single.convert_torchao(model, enable_fsdp_float8_all_gather=True)
         post_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     if args.compile:
         compile_layers(model)
@@ -261,9 +273,21 @@ def setup_fsdp2(model, args, device, torchao: bool):
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
+    optimizer = _single.make_adamw(model.parameters(), args, device)
     return model, optimizer, lambda loss: loss.backward(), post_step
+
+
+def fp8_options(text: Optional[str]) -> dict[str, Any]:
+    """``"a=1,b=False,c=kernel"`` -> ``{"a": 1, "b": False, "c": "kernel"}`` (Fp8Config fields)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--fp8-options item {item!r} is not key=value")
+        lowered = value.strip().lower()
+        out[key.strip()] = (True if lowered == "true" else False if lowered == "false" else
+                            int(value) if value.strip().lstrip("-").isdigit() else value.strip())
+    return out
 
 
 def tp_of(name: str) -> int:
@@ -273,18 +297,26 @@ def tp_of(name: str) -> int:
 
 
 def setup_booster(model, name: str, args, device):
-    """An fp8boost config: ``single_*`` (no plugin), ``ddp_*``, ``zero1_*``, ``zero2_*``."""
+    """An fp8boost config: ``single_*`` (no plugin), ``ddp_*``, ``zero1_*``, ``zero2_*``.
+
+    ``single_torchao``: ``single_bf16`` whose linears torchao converts first (then compile,
+    then boost, the order of every config here)."""
     from fp8boost.booster import Booster
 
     kind, variant = name.split("_", 1)
     use_fp8, fp8_comm = variant.startswith("fp8"), variant.startswith("fp8_comm")
     rs = {"fp8_reduce_scatter": True} if variant == "fp8_comm_rs" else {}
+    if name == "single_torchao":
+        args._fp8_layers = _single.convert_torchao(model)
     if args.compile:
         compile_layers(model)
     fp8_cfg = None
-    if use_fp8 and args.fp8_min_numel is not None:
+    if use_fp8 and (args.fp8_min_numel is not None or args.fp8_options):
         from fp8boost.fp8 import Fp8Config
-        fp8_cfg = Fp8Config(min_numel=args.fp8_min_numel)
+        extra = fp8_options(args.fp8_options)
+        if args.fp8_min_numel is not None:
+            extra["min_numel"] = args.fp8_min_numel
+        fp8_cfg = Fp8Config(**extra)
     if kind == "single":
         from fp8boost.booster.mixed_precision import MixedPrecision
         booster = Booster(mixed_precision=MixedPrecision("fp8" if use_fp8 else "bf16",
@@ -318,8 +350,7 @@ def setup_booster(model, name: str, args, device):
                                     fp8_communication=fp8_comm, **rs,
                                     reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
         booster = Booster(plugin=plugin, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
+    optimizer = _single.make_adamw(model.parameters(), args, device)
     model, optimizer, *_ = booster.boost(model, optimizer)
     report = getattr(booster.plugin, "fp8_report", None)
     if report is not None:
@@ -346,6 +377,7 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
     """Build, warm up and time one config on this rank; raises on any failure."""
     # Memory still held when a config starts (leaked by an earlier one) inflates its peak.
     start_mem = torch.cuda.memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    args._fp8_layers = None  # set by the setup of an FP8 config (not left from an earlier one)
     model = build_model(args, device)
     if name in ("fsdp2_bf16", "torchao_fsdp2"):
         model, optimizer, backward, post_step = setup_fsdp2(model, args, device,
@@ -366,9 +398,15 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         post_step()
         return loss.detach()
 
-    for _ in range(args.warmup):
-        step()
     _sync(device)
+    t_warm, first_step = time.perf_counter(), None
+    for i in range(args.warmup):
+        step()
+        if i == 0:  # compile and kernel autotuning land in the first step
+            _sync(device)
+            first_step = time.perf_counter() - t_warm
+    _sync(device)
+    warmup_s = time.perf_counter() - t_warm
     times, losses = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -387,7 +425,9 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         extra["compile"] = compile_evidence()
     if getattr(args, "_fp8_layers", None):
         extra["fp8_layers"] = args._fp8_layers
-    return dict(extra, median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
+    return dict(extra, first_step_s=times[0] if first_step is None else first_step,
+                warmup_s=warmup_s,
+                median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
                 min_step_s=min(times), max_step_s=max(times), peak_mem_gib=peak,
                 peak_reserved_gib=reserved, start_mem_gib=start_mem, first_loss=loss_values[0],
                 last_loss=loss_values[-1], finite=all(map(_finite, loss_values)))
@@ -408,9 +448,9 @@ def run_config(name: str, args, device: torch.device, rank: int, world_size: int
                tokens_flops: int) -> dict[str, Any]:
     """One config on every rank: a result dict (status ok / oom / error / skipped)."""
     result: dict[str, Any] = dict(config=name, status="ok")
-    if name == "torchao_fsdp2":
+    if name in TORCHAO_CONFIGS:
         try:
-            import torchao.float8  # noqa: F401
+            __import__("torchao.float8")
         except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
             return dict(result, status="skipped", error=f"torchao not importable: {exc}")
     _free_memory(device)
@@ -450,6 +490,8 @@ def _combine_ranks(result: dict[str, Any], world_size: int, device: torch.device
     out["tokens_per_s_per_gpu"] = tok_s
     out["tokens_per_s_total"] = tok_s * world_size
     out["tflops_per_gpu"] = tok_s * tokens_flops / 1e12
+    peak = _single.peak_bf16_tflops(device)
+    out["mfu"] = out["tflops_per_gpu"] / peak if peak else None
     return out
 
 
@@ -581,8 +623,12 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
                                       **environment(device, world_size), model=info,
                                       batch_size=args.batch_size, seq_len=args.seq_len,
                                       zero_bucket_m=args.bucket_m, fp8_min_numel=args.fp8_min_numel,
+                                      fp8_options=args.fp8_options,
                                       warmup=args.warmup, steps=args.steps,
-                                      compile=args.compile, optimizer="AdamW",
+                                      compile=args.compile,
+                                      optimizer="AdamW" + (" (fused)" if _single.fused_adamw(
+                                          args, device) else ""),
+                                      peak_bf16_tflops=_single.peak_bf16_tflops(device),
                                       fsdp2_policy="param bf16, reduce fp32", results=[])
         for name in args.configs:
             if rank == 0:
@@ -615,10 +661,13 @@ def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]
         argv += ["--bucket-m", str(args.bucket_m)]
     if args.fp8_min_numel is not None:
         argv += ["--fp8-min-numel", str(args.fp8_min_numel)]
-    for flag in ("layers", "hidden", "ffn", "heads"):
+    if args.fp8_options:
+        argv += ["--fp8-options", args.fp8_options]
+    for flag in ("layers", "hidden", "ffn", "heads", "kv_heads"):
         if getattr(args, flag) is not None:
-            argv += [f"--{flag}", str(getattr(args, flag))]
-    return argv + (["--compile"] if args.compile else [])
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv + (["--compile"] if args.compile else []) + (
+        ["--fused-adamw"] if args.fused_adamw else [])
 
 
 def run_isolated(args: argparse.Namespace) -> dict[str, Any]:

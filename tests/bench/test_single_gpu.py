@@ -1,0 +1,160 @@
+"""CPU tests of bench/single_gpu.py (issue 11's one-GPU table) and its bench/train.py options.
+
+The shape and mode tables, the command lines and the table logic are checked without spawning;
+one CPU run takes the tiny shape through real cells (one bench/train.py process each), with
+torchao's cell skipped when torchao is not installed (CI) and no compiled cell (too slow here).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+
+@pytest.fixture(scope="module")
+def sg():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import single_gpu as mod
+        import train
+        mod.train = train  # the test's handle on bench/train.py (single_gpu never imports it)
+        yield mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_shapes_modes_and_command_lines(sg, capsys):
+    assert (sg.SHAPES["8b-4l"]["kv_heads"], sg.SHAPES["8b-4l"]["heads"]) == (8, 32)
+    assert (sg.SHAPES["1b"]["layers"], sg.SHAPES["1b"]["batch_size"]) == (16, 8)
+    args = sg.parse_args([])
+    assert args.shapes == ["1b", "7b-4l", "8b-4l"] and "tiny" not in args.shapes
+    assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
+                          "fp8_eager_all", "fp8_compiled_all"]
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 10
+    with pytest.raises(ValueError, match="unknown shape"):
+        sg.parse_args(["--shapes", "1b,70b"])
+    with pytest.raises(ValueError, match="unknown mode"):
+        sg.parse_args(["--modes", "fp8_compiled"])
+    assert sg.main(["--modes", "nope"]) == 2 and "unknown mode" in capsys.readouterr().err
+
+    # Each cell's command is a valid bench/train.py command line with the shape's model.
+    argv = sg.cell_argv(args, "8b-4l", "fp8_compiled_all", "x.json")
+    assert argv[1] == str(BENCH / "train.py") and "--no-isolate" in argv
+    targs = sg.train.parse_args(argv[2:])
+    assert (targs.configs, targs.fp8_min_numel, targs.compile, targs.fused_adamw) == (
+        ["single_fp8"], 0, True, True)
+    assert (targs.batch_size, targs.seq_len, targs.warmup, targs.steps) == (4, 4096, 3, 10)
+    info = sg.train.model_info(targs)  # meta device
+    assert (info["kv_heads"], info["heads"], info["ffn"], info["layers"]) == (8, 32, 14336, 4)
+    targs = sg.train.parse_args(sg.cell_argv(args, "1b", "torchao_compiled", "x.json")[2:])
+    assert targs.configs == ["single_torchao"] and targs.fp8_min_numel is None
+    # --isolate passes the new flags on to each torchrun.
+    child = sg.train._child_argv(sg.train.parse_args(["--heads", "32", "--kv-heads", "8",
+                                                      "--fused-adamw"]), "single_bf16", "o.json")
+    assert child[child.index("--kv-heads") + 1] == "8" and "--fused-adamw" in child
+
+    assert sg.main(["--dry-run", "--output", "unused.json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bench/train.py") == 18 and not Path("unused.json").exists()
+
+
+def test_peak_table_ratios_and_compile_check(sg):
+    peak = sg.train._single.dense_bf16_peak
+    assert peak("NVIDIA H100 80GB HBM3") == peak("NVIDIA H200") == peak("NVIDIA H800") == 989.4
+    assert peak("NVIDIA H100 PCIe") == 756.0 and peak("NVIDIA A100-SXM4-80GB") is None
+
+    def ok(tok, **kw):
+        return dict(status="ok", tokens_per_s_per_gpu=tok, peak_mem_gib=1.0, first_step_s=9.0,
+                    warmup_s=12.0, mfu=0.4, **kw)
+    cells = dict(bf16_eager=ok(100.0), bf16_compiled=ok(125.0, compile=dict(unique_graphs=2,
+                                                                            graph_breaks=0)),
+                 torchao_compiled=ok(150.0, compile=dict(unique_graphs=2, graph_breaks=0)),
+                 fp8_compiled_all=ok(180.0, compile=dict(unique_graphs=3, graph_breaks=2)),
+                 fp8_eager_all=dict(status="oom"))
+    cells["fp8_compiled_default"] = ok(170.0, compile=dict(unique_graphs=0, graph_breaks=0))
+    for mode, cell in cells.items():
+        sg.check_compiled(mode, cell)
+    assert cells["fp8_compiled_default"]["status"] == "not_compiled"
+    assert cells["fp8_compiled_all"]["compile_ok"] is False and cells["bf16_compiled"]["compile_ok"]
+    sg.add_ratios(cells)
+    fp8 = cells["fp8_compiled_all"]
+    assert fp8["vs_bf16_compiled"] == pytest.approx(1.44) and fp8["vs_bf16_eager"] == 1.8
+    assert fp8["vs_torchao_compiled"] == pytest.approx(1.2)
+    assert "vs_torchao_compiled" not in cells["bf16_eager"]
+    report = dict(device="NVIDIA H100 80GB HBM3", optimizer="AdamW (fused)", steps=10, warmup=3,
+                  peak_bf16_tflops=989.4, modes=list(cells), shapes={"1b": dict(cells=cells)})
+    table = sg.format_table(report)
+    assert "| 1b | 100 (0.80x) | 125 (1.00x) | 150 (1.20x) | 180 (1.44x) !2br | oom |" in table
+    assert "not_compiled" in table and "1b MFU: bf16_eager 40.0%" in table
+    assert "1b warm-up s (first step / all 3): bf16_eager 9.0/12.0" in table
+
+
+def test_fused_adamw_steps_fp32_masters():
+    """--fused-adamw: the fp8boost wrapper re-points AdamW(fused=True) at its FP32 masters; the
+    fused kernel (CPU here, CUDA on the GPU) must match the default implementation."""
+    from fp8boost.booster import Booster
+    from fp8boost.booster.mixed_precision import MixedPrecision
+
+    weights = {}
+    for fused in (None, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 32))
+        booster = Booster(mixed_precision=MixedPrecision("bf16"), device=torch.device("cpu"))
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                                                fused=fused))
+        assert opt.optim.param_groups[0]["params"][0].dtype == torch.float32
+        x = torch.randn(8, 32)
+        for _ in range(3):
+            booster.backward(model(x).float().pow(2).mean(), opt)
+            opt.step()
+            opt.zero_grad()
+        weights[fused] = [p.detach().float() for p in model.unwrap().parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights[None], weights[True]))
+
+
+def test_timed_out_cell_is_recorded(sg, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert sg.main(["--device", "cpu", "--shapes", "tiny", "--modes", "bf16_eager",
+                    "--config-timeout", "1", "--output", str(out)]) == 0
+    cell = json.loads(out.read_text())["shapes"]["tiny"]["cells"]["bf16_eager"]
+    assert (cell["status"], cell["returncode"]) == ("timeout", "timeout")
+    assert "| tiny | timeout |" in capsys.readouterr().out
+
+
+def test_cpu_run_tiny(tmp_path):
+    out = tmp_path / "single.json"
+    # One thread per cell: 2-thread BF16 CPU kernels slow down badly on a shared 2-core box.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    modes = "bf16_eager,fp8_eager_all,torchao_compiled"
+    proc = subprocess.run([sys.executable, str(BENCH / "single_gpu.py"), "--device", "cpu",
+                           "--shapes", "tiny", "--modes", modes, "--warmup", "1", "--steps", "2",
+                           "--output", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| tiny |" in proc.stdout and "tiny warm-up s" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["versions"]["torch"] and report["peak_bf16_tflops"] is None  # CPU: no MFU
+    shape = report["shapes"]["tiny"]
+    assert shape["model"]["layers"] == 4 and shape["model"]["flops_per_token"] > 0
+    cells = shape["cells"]
+    for mode in ("bf16_eager", "fp8_eager_all"):
+        cell = cells[mode]
+        assert cell["status"] == "ok", cell.get("error")
+        assert cell["tokens_per_s_per_gpu"] > 0 and cell["finite"]
+        assert cell["first_step_s"] > 0 and cell["warmup_s"] >= cell["first_step_s"] * 0.99
+        assert "mfu" in cell and cell["vs_bf16_eager"] > 0
+    assert cells["fp8_eager_all"]["fp8_layers"]["converted"] > 0
+    assert cells["fp8_eager_all"]["vs_torchao_compiled"] is None  # torchao cell not ok here
+    torchao = cells["torchao_compiled"]["status"]
+    assert torchao == ("skipped" if importlib.util.find_spec("torchao") is None else "ok"), \
+        cells["torchao_compiled"].get("error")
