@@ -311,9 +311,9 @@ def setup_booster(model, name: str, args, device):
     if args.compile:
         compile_layers(model)
     fp8_cfg = None
-    if use_fp8 and (args.fp8_min_numel is not None or args.fp8_options):
+    if use_fp8 and (args.fp8_min_numel is not None or getattr(args, "fp8_options", None)):
         from fp8boost.fp8 import Fp8Config
-        extra = fp8_options(args.fp8_options)
+        extra = fp8_options(getattr(args, "fp8_options", None))
         if args.fp8_min_numel is not None:
             extra["min_numel"] = args.fp8_min_numel
         fp8_cfg = Fp8Config(**extra)
