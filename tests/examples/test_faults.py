@@ -1,9 +1,9 @@
 """Fault tolerance of examples/train_llama.py (issue 14) and the helpers behind it.
 
-* One ``torchrun --max-restarts 1`` launch (``fault_driver.py``) interrupts every plugin's run
-  (ddp, zero2 + FP8, gemini, fsdp, hybrid tp 2) in the same step; in the last one rank 1 of 2
-  really dies (``os._exit``), torchrun restarts the job, the restarted workers re-form the
-  process group and every run resumes with ``--resume auto``. The final checkpoints (model
+* One ``torchrun --max-restarts 5`` launch (``fault_driver.py``): in each plugin's run
+  (ddp, zero2 + FP8, gemini, fsdp, hybrid tp 2) rank 1 of 2 really dies mid-step
+  (``os._exit``), torchrun restarts the job, the restarted workers re-form the process group
+  and the run resumes with ``--resume auto``. The final checkpoints (model
   export and optimizer state, FP32 masters included) must equal the uninterrupted runs' bit for
   bit, and so must every logged loss (same process layout, gloo, deterministic CPU kernels).
 * ``--resume auto`` skips a checkpoint that fails verification for the next older one.
@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-PLUGINS = ("ddp", "gemini", "fsdp", "hybrid", "zero2")  # the last one: a real rank death
+PLUGINS = ("ddp", "gemini", "fsdp", "hybrid", "zero2")  # each loses rank 1, in its own attempt
 STEPS, SAVE, CRASH = 6, 2, 5  # rank 1 dies in step 5: the restart resumes from step 4
 
 
@@ -80,7 +80,7 @@ def test_killed_rank_restarts_and_ends_bit_exact_every_plugin(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=1", str(Path(__file__).with_name("fault_driver.py")),
+           f"--max-restarts={len(PLUGINS)}", str(Path(__file__).with_name("fault_driver.py")),
            str(tmp_path), str(STEPS), str(SAVE), str(CRASH), *PLUGINS]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)
@@ -96,8 +96,8 @@ def test_killed_rank_restarts_and_ends_bit_exact_every_plugin(tmp_path):
         differ = [k for k in a if not torch.equal(a[k], b[k])]
         assert not differ, f"{plugin}: the restarted run ended with other values: {differ[:5]}"
         assert _losses(ref) == _losses(crash), plugin
-    assert out.count("--simulate-crash: exiting at step") == 1  # the last plugin's rank 1
-    assert out.count("interrupted in step") == len(PLUGINS) - 1
+    for attempt in range(len(PLUGINS)):  # one real rank death per plugin, one per attempt
+        assert out.count(f"--simulate-crash: exiting at step {CRASH} (attempt {attempt})") == 1
     if importlib.util.find_spec("tensorboard") is not None:  # --tensorboard (ddp run)
         events = list((tmp_path / "ddp-ref" / "tensorboard").glob("events.out.tfevents.*"))
         assert events and events[0].stat().st_size > 100
