@@ -89,6 +89,16 @@ class Fp8Config:
     Exact: the shared cast is the one each layer would have made. Under ``torch.compile`` the
     compiler's common-subexpression elimination does the same."""
 
+    recompute_weight_cast: bool = True
+    """Current scaling: backward re-casts the weight for the input-gradient GEMM (from the
+    Parameter, which is kept anyway, with the forward cast's amax: the same bytes) instead of
+    holding its transposed FP8 copy from forward to backward. Saves 1 byte per weight element
+    of activation memory for one weight cast more per backward; a cached weight cast (see
+    ``cache_weight_cast``) is used as it is. ``False`` keeps the copy (the earlier behaviour).
+    Under ``torch.compile`` the partitioner decides: it keeps the FP8 copy (it does not
+    recompute a cast whose result feeds a GEMM), so the option changes eager mode only
+    (measured: ``bench/saved_activations.py``)."""
+
     skip_module_names: tuple[str, ...] = ("lm_head",)
     """Default filter: linear layers whose qualified name ends with one of these stay high precision."""
 

@@ -68,26 +68,37 @@ class _Fp8LinearFn(torch.autograd.Function):
         # then: saving it here would pin K*N bytes per layer between forward and backward, which
         # is exactly what FSDP's reshard-after-forward frees.
         direct = layer._prequantized_ok(weight)
-        wq = layer._weight_fp8(with_transpose=need_dgrad and not direct)
+        want_t = need_dgrad and not direct
+        recast = want_t and cfg.recompute_weight_cast
+        wq, w_amax = layer._weight_operand(want_t and not recast, recompute=recast)
         y = backend.mm(xq.data, wq.data, xq.inv_scale, wq.inv_scale, bias=bias,
                        out_dtype=x2d.dtype, use_fast_accum=cfg.fast_accum_fprop)
         ctx.layer = layer
         ctx.need_wgrad, ctx.need_dgrad = need_wgrad, need_dgrad
         ctx.direct = direct
+        # dgrad's W^T is re-cast in backward from the Parameter (kept anyway) with the forward's
+        # amax: the same bytes, without holding N*K FP8 bytes from forward to backward.
+        ctx.recast = w_amax is not None
+        if ctx.recast and _compiling():
+            # dynamo refuses to save a tensor that aliases another output of the traced forward
+            w_amax = w_amax.clone()
         ctx.has_bias = bias is not None
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
-        w_saved = (weight if direct else wq.data_t) if need_dgrad else None
+        w_saved = (weight if direct or ctx.recast else wq.data_t) if need_dgrad else None
         ctx.save_for_backward(xq.data_t if need_wgrad else None, xq.inv_scale,
-                              w_saved, wq.inv_scale)
+                              w_saved, w_amax if ctx.recast else wq.inv_scale)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
+        layer = ctx.layer
         if ctx.direct and ctx.need_dgrad:  # the Fp8WeightTensor itself was saved
             wq_t, w_inv = fp8_weight_transpose(wq_t), wq_t._inv_scale
-        layer = ctx.layer
+        elif ctx.recast:  # the Parameter and its amax were saved
+            wq = layer._recast_weight_t(wq_t, w_inv)
+            wq_t, w_inv = wq.data, wq.inv_scale
         backend, cfg = layer._fp8_backend, layer.fp8_config
         dy = dy.contiguous()
         dyq = layer._quantize("grad", dy, cfg.grad_dtype, with_transpose=ctx.need_wgrad)
@@ -206,6 +217,12 @@ class Fp8Linear(nn.Linear):
 
     def _quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype,
                   with_transpose: bool) -> Fp8Tensor:
+        return self._quantize_amax(role, x, dtype, with_transpose)[0]
+
+    def _quantize_amax(self, role: str, x: torch.Tensor, dtype: torch.dtype,
+                       with_transpose: bool) -> tuple[Fp8Tensor, Optional[torch.Tensor]]:
+        """The cast and, with current scaling, the amax its scale came from (``None`` for
+        delayed scaling): ``scale_from_amax`` of it gives the very scale used, bit for bit."""
         cfg, cast = self.fp8_config, self._cast_fn()
         if not self._delayed:
             group = self._amax_groups.get(role)
@@ -214,17 +231,16 @@ class Fp8Linear(nn.Linear):
                 torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
                 scale = scale_from_amax(a, dtype, cfg.margin, cfg.power_of_2_scale)
                 q, _ = cast(x, dtype, scale=scale, with_transpose=with_transpose)
-                return q
-            q, _ = cast(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
+                return q, a
+            return cast(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
                         with_transpose=with_transpose)
-            return q
         i = _ROLES.index(role)
         state = self._delayed[role].bind(self.fp8_amax_history[i], self.fp8_scale[i])
         if not state.initialized:
             state.seed(state.reduce(amax(x)))
         q, a = cast(x, dtype, scale=state.scale.clone(), with_transpose=with_transpose)
         state.record(state.reduce(a))
-        return q
+        return q, None
 
     def _input_fp8(self, x2d: torch.Tensor, with_transpose: bool) -> Fp8Tensor:
         """The input operand: the bytes of an FP8 carrier as they are (e.g. the sequence-
@@ -323,13 +339,30 @@ class Fp8Linear(nn.Linear):
         self._pre_w = (key, data_fp8, inv_scale.float().reshape(()), [None])
 
     def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
+        """The FP8 weight operand (with its K-major transpose when asked)."""
+        return self._weight_operand(with_transpose, recompute=False)[0]
+
+    def _recast_weight_t(self, weight: torch.Tensor, w_amax: torch.Tensor) -> Fp8Tensor:
+        """Backward: W^T cast with the scale of the forward's cast (same amax, same bytes)."""
+        cfg = self.fp8_config
+        scale = scale_from_amax(w_amax, cfg.fwd_dtype, cfg.margin, cfg.power_of_2_scale)
+        q, _ = self._cast_fn()(weight.detach().t(), cfg.fwd_dtype, scale=scale,
+                               with_transpose=False)
+        return q
+
+    def _weight_operand(self, with_transpose: bool,
+                        recompute: bool) -> tuple[Fp8Tensor, Optional[torch.Tensor]]:
+        """The weight operand, and the amax to re-cast its transpose from in backward when
+        ``recompute`` and the cast is not kept (current scaling, no cache entry, a plain
+        Parameter); the amax is None whenever the operand already carries its transpose or
+        ``with_transpose`` asked for it."""
         w = self.weight
         if isinstance(w, Fp8WeightTensor):
             self._w_cache = None  # a cast of an earlier plain weight would only pin memory
             if self._prequantized_ok(w):
-                return fp8_weight_operand(w, with_transpose)  # no cast, no cache
+                return fp8_weight_operand(w, with_transpose), None  # no cast, no cache
             return self._quantize("weight", dequantize_weight(w), self.fp8_config.fwd_dtype,
-                                  with_transpose=with_transpose)
+                                  with_transpose=with_transpose or recompute), None
         pre = self.__dict__.get("_pre_w")  # from set_prequantized_weight
         if pre is not None:
             # Under torch.compile the key (version counters, the step epoch) cannot be read
@@ -339,9 +372,10 @@ class Fp8Linear(nn.Linear):
                 pre[0] == (w.data_ptr(), w._version, _state.step_epoch()) else \
                 "the weight was written or an optimizer step ran since it was set"
             if why is None:
-                if with_transpose and pre[3][0] is None:
+                if (with_transpose or recompute) and pre[3][0] is None:
                     pre[3][0] = transpose_fp8(pre[1])  # dgrad's K-major copy, made once
-                return Fp8Tensor(pre[1], pre[2], pre[3][0] if with_transpose else None)
+                return Fp8Tensor(pre[1], pre[2],
+                                 pre[3][0] if with_transpose or recompute else None), None
             _state.warn_once(("fp8-linear-prequantized-dropped", why),
                              f"fp8boost: Fp8Linear casts its weight itself instead of using the "
                              f"prequantized FP8 weight: {why}")
@@ -353,16 +387,20 @@ class Fp8Linear(nn.Linear):
                    self._fp8_backend.name)
             if self._w_cache is not None and self._w_cache[0] == key:
                 if self._w_cache[1] is not None:
-                    return self._w_cache[1]  # cached casts always carry the transpose
+                    return self._w_cache[1], None  # cached casts always carry the transpose
                 # The second forward of this weight (micro-batches, recomputation): from now on
                 # the cast pays for the memory it pins. After only one forward per step it
                 # would not: the row-major copy would live, unused, until the next step.
                 keep = True
         # Always emit the transpose when caching: the next backward will want it.
-        wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
-                            with_transpose=with_transpose or keep)
+        wq, a = self._quantize_amax("weight", w.detach(), self.fp8_config.fwd_dtype,
+                                    with_transpose=with_transpose or keep)
         self._w_cache = (key, wq if keep else None) if use_cache else None
-        return wq
+        if recompute and wq.data_t is None:
+            if a is not None:
+                return wq, a
+            wq = Fp8Tensor(wq.data, wq.inv_scale, transpose_fp8(wq.data))  # delayed scaling
+        return wq, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

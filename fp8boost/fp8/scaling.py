@@ -47,9 +47,12 @@ def scale_from_amax(a: torch.Tensor, dtype: torch.dtype, margin: int = 0,
     """
     a = a.float()
     target = fp8_max(dtype) / (2.0 ** margin)
-    scale = target / torch.where(a > 0, a, torch.ones_like(a))
-    scale = torch.where(a > 0, scale, torch.ones_like(scale))
-    scale = torch.where(torch.isfinite(a), scale, torch.full_like(scale, float("nan")))
+    scale = target / torch.where(a > 0, a, 1.0)
+    scale = torch.where(a > 0, scale, 1.0)
+    # a - a is 0 for a finite amax and NaN for Inf/NaN. Not a NaN constant: under torch.compile
+    # a NaN literal never equals itself, so common-subexpression elimination could not merge
+    # the casts of layers reading one tensor (q/k/v would keep three FP8 copies, not one).
+    scale = scale + (a - a)
     # target / tiny amax can overflow FP32: cap at the largest finite float.
     scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
     if power_of_2:

@@ -98,6 +98,30 @@ def test_delayed_scaling_layers_never_share():
     assert len([c for c in backend.calls if c[:2] == ((16, 48), torch.float8_e4m3fn)]) == 3
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "tensorwise_pow2", "delayed"])
+def test_weight_recast_in_backward_is_exact_and_saves_the_fp8_copy(recipe):
+    """recompute_weight_cast: dgrad gets the same W^T bytes re-cast in backward, and forward
+    keeps no FP8 weight copy for it (delayed scaling keeps it: its scale moves on)."""
+    x = torch.randn(4, 24, 48) * 3
+    outs = []
+    for recompute in (True, False):
+        cfg = Fp8Config.from_recipe(recipe, backend="emulated", recompute_weight_cast=recompute)
+        torch.manual_seed(0)
+        block = _Block(cfg)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.append(t) or t, lambda t: t):
+            y = block(x.clone().requires_grad_(True))
+        y.square().sum().backward()
+        outs.append((y.detach(), [p.grad.clone() for p in block.parameters()]))
+        fp8_weight_copies = [t for t in kept if t.dtype == torch.float8_e4m3fn
+                             and t.shape == (48, 48)]
+        expect_none = recompute and recipe != "delayed"
+        assert (len(fp8_weight_copies) == 0) == expect_none, (recipe, recompute)
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+
+
 class _RaisingBackend(EmulatedBackend):
     name = "raising"
 
