@@ -200,3 +200,28 @@ def test_inductor_cast_fuses_into_rmsnorm_and_matches_the_kernel_cast():
     # few elements can land on a neighbouring FP8 value: compare as FP8 GEMM outputs do.
     err = ((outs["inductor"].float() - eager.float()).norm() / eager.float().norm()).item()
     assert err < 2e-3, err
+
+
+def test_compiled_layers_reading_one_tensor_share_one_cast():
+    """Under compile (default inductor casts), common-subexpression elimination merges the
+    casts of q/k/v's shared input: one saved FP8 copy of it, not three (a NaN constant in the
+    scale math once blocked this: NaN != NaN)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = _Block(Fp8Config(backend="emulated"))
+    saved = []
+
+    def bw(gm, _inputs):
+        saved.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes
+                     if n.op == "placeholder" and not n.name.startswith("tangents")
+                     and getattr(n.meta.get("val"), "dtype", None) == torch.float8_e4m3fn)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _i: make_boxed_func(gm.forward),
+                           bw_compiler=bw, partition_fn=min_cut_rematerialization_partition)
+    x = torch.randn(96, 48, requires_grad=True)
+    torch.compile(block, backend=backend, fullgraph=True)(x).sum().backward()
+    assert saved.count((48, 96)) == 1, saved  # x^T for the three wgrads, once
