@@ -103,6 +103,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--precision", default="bf16", choices=PRECISIONS)
     g.add_argument("--use-fp8", action="store_true", help="run linear-layer GEMMs in FP8")
     g.add_argument("--fp8-comm", action="store_true", help="FP8 gradient/parameter communication")
+    g.add_argument("--fp8-recipe", default="tensorwise",
+                   choices=("tensorwise", "tensorwise_pow2", "delayed", "tensorwise_e4m3"),
+                   help="FP8 scaling recipe (Fp8Config.from_recipe) for --use-fp8")
     g.add_argument("--fp8-min-numel", type=int, default=None,
                    help="linear layers with fewer weight elements stay BF16 (default: the library's "
                         "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")
@@ -299,7 +302,8 @@ def make_booster(args: argparse.Namespace, device: torch.device):
             # No FP8 tensor cores here: FP8 is emulated for its numerics only, so there is no
             # speed to lose on small layers. Convert them all so the demo really runs FP8.
             min_numel = 0
-        fp8_config = Fp8Config() if min_numel is None else Fp8Config(min_numel=min_numel)
+        extra = {} if min_numel is None else dict(min_numel=min_numel)
+        fp8_config = Fp8Config.from_recipe(args.fp8_recipe, **extra)
     from fp8boost.parallel.nonfinite import NonFiniteGuard
 
     guard = NonFiniteGuard(max_consecutive=args.max_bad_steps,

@@ -361,3 +361,22 @@ def test_gemini_meta_init_loads_pretrained_like_a_full_load(tmp_path):
               "--model-path", str(folder), "--out-dir", str(out_dir)], threads=2)
         first[plugin] = _losses(out_dir)[1]
     assert abs(first["gemini"] - first["none"]) / first["none"] < 1e-2, first
+
+
+def test_fp8_recipe_option_builds_that_recipe(ex, tmp_path, monkeypatch):
+    from fp8boost.fp8 import Fp8Config
+
+    built = []
+    real = Fp8Config.from_recipe.__func__
+
+    def spy(cls, name, **kw):
+        built.append(name)
+        return real(cls, name, **kw)
+
+    monkeypatch.setattr(Fp8Config, "from_recipe", classmethod(spy))
+    ex.train.train(ex.train.parse_args([*FAST, "--use-fp8", "--fp8-recipe", "delayed",
+                                        "--steps", "3", "--eval-every", "0",
+                                        "--out-dir", str(tmp_path)]))
+    assert built == ["delayed"]
+    assert json.loads((tmp_path / "run_config.json").read_text())["fp8_recipe"] == "delayed"
+    assert len(_losses(tmp_path)) == 3

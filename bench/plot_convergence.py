@@ -1,0 +1,103 @@
+"""Loss curves of several training runs on one plot, and the final-validation-loss table.
+
+Reads the example's ``metrics.jsonl`` files (``bench/run_convergence_2gpu.sh`` writes them as
+``convergence_<plugin>_<run>.jsonl``), draws validation loss (markers) and smoothed train loss
+(thin lines) per run, and prints, per plugin, each run's final validation loss, its gap to the
+BF16 run of the same plugin, the tokens seen and whether any loss was non-finite. The issue-12
+target: tensorwise FP8 within 0.5% of BF16.
+
+    python bench/plot_convergence.py bench/results/convergence_*.jsonl \\
+        --png bench/results/convergence_2gpu.png --json bench/results/convergence_2gpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+TARGET_GAP = 0.005  # tensorwise FP8 vs BF16, final validation loss
+
+
+def load(path: Path) -> dict[str, Any]:
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    train = dict(sorted({r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+                        .items()))
+    val = dict(sorted({r["step"]: r["val_loss"] for r in records if r.get("kind") == "eval"}
+                      .items()))
+    tokens = max((r.get("tokens", 0) for r in records if r.get("kind") == "train"), default=0)
+    m = re.match(r"convergence_([a-z0-9]+)_(.+)\.jsonl$", path.name)
+    plugin, run = (m.group(1), m.group(2)) if m else ("run", path.stem)
+    finite = all(math.isfinite(v) for v in [*train.values(), *val.values()])
+    return dict(path=str(path), plugin=plugin, run=run, train=train, val=val, tokens=tokens,
+                finite=finite, final_val=list(val.values())[-1] if val else None,
+                val_still_falling=len(val) >= 2 and list(val.values())[-1] < list(val.values())[-2])
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in runs:
+        base = next((b for b in runs if b["plugin"] == r["plugin"] and b["run"] == "bf16"), None)
+        gap = None
+        if base and base["final_val"] and r["final_val"] is not None:
+            gap = (r["final_val"] - base["final_val"]) / base["final_val"]
+        row = {k: r[k] for k in ("plugin", "run", "final_val", "tokens", "finite",
+                                 "val_still_falling")}
+        row["gap_vs_bf16"] = gap
+        if r["run"] == "fp8_tensorwise" and gap is not None:
+            row["target_met"] = abs(gap) <= TARGET_GAP
+        rows.append(row)
+    return rows
+
+
+def plot(runs: list[dict[str, Any]], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, r in enumerate(runs):
+        color = f"C{i}"
+        steps, losses = list(r["train"]), list(r["train"].values())
+        k = 20  # moving average over 20 logged points
+        smooth = [sum(losses[max(0, j - k + 1): j + 1]) / len(losses[max(0, j - k + 1): j + 1])
+                  for j in range(len(losses))]
+        ax.plot(steps, smooth, color=color, linewidth=0.7, alpha=0.6)
+        ax.plot(list(r["val"]), list(r["val"].values()), "o-", color=color, markersize=3,
+                label=f"{r['plugin']} {r['run']} (val {r['final_val']:.4f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("125M Llama on shakespeare.txt: validation (markers), train (lines, smoothed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("jsonl", nargs="+", type=Path)
+    p.add_argument("--png", type=Path, default=Path("bench/results/convergence_2gpu.png"))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    runs = [load(f) for f in args.jsonl]
+    rows = summarize(runs)
+    plot(runs, args.png)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.png}\n| plugin | run | final val loss | vs BF16 | tokens | finite | "
+          f"val still falling |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        gap = "-" if r["gap_vs_bf16"] is None else f"{100 * r['gap_vs_bf16']:+.2f}%"
+        val = "-" if r["final_val"] is None else f"{r['final_val']:.4f}"
+        print(f"| {r['plugin']} | {r['run']} | {val} | {gap} | {r['tokens']:,} | "
+              f"{r['finite']} | {r['val_still_falling']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
