@@ -266,7 +266,23 @@ def mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tenso
         cands.append(CUBLAS)
     key = (use_tma, bucket(M), N, K, a.dtype, b.dtype, out_dtype, use_fast_accum,
            bias is not None, allow_cublas, a.device.index)
-    return launch(_CACHE.pick(key, cands, launch))
+    cfg = _CACHE.pick(key, cands, launch)
+    if cfg == CUBLAS and not use_fast_accum:
+        _log_cublas_promoted()
+    return launch(cfg)
+
+
+def _log_cublas_promoted() -> None:
+    import logging
+
+    from fp8boost import _state
+
+    _state.log_once(
+        logging.getLogger("fp8boost.fp8.kernels"), "gemm-promoted-on-cublas",
+        "fp8boost: promoted-accumulation FP8 GEMMs (dgrad, wgrad) run on cuBLAS "
+        "torch._scaled_mm where it timed faster than the Triton kernel (which measured "
+        "0.69-0.77x of it on H100/H200: BENCHMARKS.md section 1); fast-accumulation GEMMs "
+        "(fprop) stay on Triton", level=logging.INFO)
 
 
 def _cublas_ok(a, b, bias, out_dtype) -> bool:
