@@ -217,7 +217,11 @@ class Fp8Linear(nn.Linear):
 
     def _quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype,
                   with_transpose: bool) -> Fp8Tensor:
-        return self._quantize_amax(role, x, dtype, with_transpose)[0]
+        """Every FP8 cast of this layer (tests spy on it). ``.amax`` is set with current
+        scaling (see :meth:`_quantize_amax`)."""
+        q, a = self._quantize_amax(role, x, dtype, with_transpose)
+        q.amax = a
+        return q
 
     def _quantize_amax(self, role: str, x: torch.Tensor, dtype: torch.dtype,
                        with_transpose: bool) -> tuple[Fp8Tensor, Optional[torch.Tensor]]:
@@ -348,7 +352,9 @@ class Fp8Linear(nn.Linear):
         scale = scale_from_amax(w_amax, cfg.fwd_dtype, cfg.margin, cfg.power_of_2_scale)
         q, _ = self._cast_fn()(weight.detach().t(), cfg.fwd_dtype, scale=scale,
                                with_transpose=False)
-        return q
+        # K-major, as the GEMMs take it (a torch-op cast keeps the transposed view's strides;
+        # under compile the copy fuses into the cast)
+        return Fp8Tensor(q.data.contiguous(), q.inv_scale)
 
     def _weight_operand(self, with_transpose: bool,
                         recompute: bool) -> tuple[Fp8Tensor, Optional[torch.Tensor]]:
@@ -393,8 +399,9 @@ class Fp8Linear(nn.Linear):
                 # would not: the row-major copy would live, unused, until the next step.
                 keep = True
         # Always emit the transpose when caching: the next backward will want it.
-        wq, a = self._quantize_amax("weight", w.detach(), self.fp8_config.fwd_dtype,
-                                    with_transpose=with_transpose or keep)
+        wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
+                            with_transpose=with_transpose or keep)
+        a = wq.amax
         self._w_cache = (key, wq if keep else None) if use_cache else None
         if recompute and wq.data_t is None:
             if a is not None:

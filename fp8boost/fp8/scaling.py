@@ -95,6 +95,10 @@ class Fp8Tensor:
     data: torch.Tensor
     inv_scale: torch.Tensor
     data_t: Optional[torch.Tensor] = None
+    amax: Optional[torch.Tensor] = None
+    """With current scaling, the amax the scale came from (``scale_from_amax`` of it is the
+    scale, bit for bit), when the producer records it; lets a consumer re-cast the same source
+    later with the same scale."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.data, self.inv_scale, dtype)
