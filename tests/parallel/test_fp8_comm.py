@@ -326,6 +326,44 @@ def _check_triton_interpreter(rank, ws, fc):
         fc.all_to_all_fp8(o1, xs[rank], fp8_dtype=dt, config=tri)
         fc.all_to_all_fp8(o2, xs[rank], fp8_dtype=dt, config=ref)
         assert torch.equal(o1, o2), "all_to_all"
+    _check_fused_row_quantize(fc, tri)
+
+
+def _check_fused_row_quantize(fc, tri):
+    """Triton impl, one stage: each quantize is ``wire_triton.quantize_rows`` (2 launches: row
+    amax partials, then scale + cast + trailer), with no separate scale math; its bytes,
+    trailers included, equal the torch path's (exact values, an all-zero row, pow2 or not)."""
+    from fp8boost.parallel.comm import collectives, wire, wire_triton
+
+    for dt in (E4M3, E5M2):
+        x = torch.stack([_exact_fp8_values(r, 5000, dt, seed=13) for r in range(3)])
+        x[1] *= 0.5
+        x[2] = 0.0
+        for pow2 in (True, False):
+            a = torch.zeros(3, wire.segment_bytes(5000) + 8, dtype=torch.uint8)
+            b = a.clone()
+            wire.quantize_rows(x, a, dt, power_of_2=pow2, impl="triton")
+            wire.quantize_rows(x, b, dt, power_of_2=pow2, impl="torch")
+            assert torch.equal(a, b), (dt, pow2)
+    calls = []
+    real_q, real_s = wire_triton.quantize_rows, collectives.stage_scales
+
+    def count(*a, **k):
+        calls.append(a[0].shape)
+        return real_q(*a, **k)
+
+    def no_scale_math(*a, **k):
+        raise AssertionError("separate scale math on the fused path")
+
+    wire_triton.quantize_rows, collectives.stage_scales = count, no_scale_math
+    try:
+        ws = dist.get_world_size()
+        fc.all_gather_fp8(_exact_fp8_values(0, 300, E4M3, 3), config=tri)
+        assert len(calls) == 1, calls  # the shard: one fused quantize
+        fc.reduce_scatter_fp8(_exact_fp8_values(0, 300 * ws, E5M2, 4), config=tri)
+        assert 2 <= len(calls) <= 3, calls  # the other ranks' chunks: rows before/after own
+    finally:
+        wire_triton.quantize_rows, collectives.stage_scales = real_q, real_s
 
 
 def _check_bench_smoke():

@@ -164,8 +164,8 @@ def _triton_usable(device: torch.device) -> bool:
 def triton_selftest(device: torch.device) -> tuple[bool, str]:
     """Run the Triton casts on small random data; compare with the torch reference.
 
-    Returns ``(ok, reason)``. Casts and decodes must be bit-identical; the FP32 sums may differ
-    by FMA contraction only.
+    Returns ``(ok, reason)``. Casts (bytes and trailers: the fused amax + scale + cast path)
+    and decodes must be bit-identical; the FP32 sums may differ by FMA contraction only.
     """
     from . import wire_triton as fp8_wire_triton  # noqa: F401,WPS433 (lazy: imports triton)
     from .wire import dequantize_rows, dequantize_sum_rows, quantize_rows, segment_bytes
@@ -184,7 +184,7 @@ def triton_selftest(device: torch.device) -> tuple[bool, str]:
                 acc = torch.empty(100, dtype=dtype, device=device)
                 dequantize_sum_rows(packed[1:], 100, fp8, acc, local=x[0], post_scale=0.5,
                                     impl=impl)
-                res[impl] = (packed[:, :100], out, acc)
+                res[impl] = (packed, out, acc)  # data and the inverse-scale trailers
             (pt, ot, st), (pr, orf, sr) = res["triton"], res["torch"]
             if not torch.equal(pt, pr):
                 return False, f"{fp8} cast of {dtype} differs from torch"

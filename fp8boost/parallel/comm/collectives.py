@@ -61,6 +61,12 @@ def _stages(payload: int, numel: int, cfg: Fp8CommConfig) -> list[tuple[int, int
     return stage_bounds(numel, num_stages(payload, cfg.pipeline_bytes, MAX_PIPELINE_STAGES))
 
 
+def _fused_scales(impl: str, bounds) -> bool:
+    """One stage with the Triton impl: each row's amax, scale, cast and trailer come from two
+    launches (``wire_triton.quantize_rows``) instead of separate scale math."""
+    return impl == "triton" and len(bounds) == 1
+
+
 def _carve(total_rows: int, bounds, device) -> list[torch.Tensor]:
     """One uint8 buffer cut into per-stage ``[total_rows, segment_bytes(width)]`` blocks."""
     sizes = [segment_bytes(hi - lo) for lo, hi in bounds]
@@ -70,24 +76,27 @@ def _carve(total_rows: int, bounds, device) -> list[torch.Tensor]:
 
 
 def _quantize_except(x2d: torch.Tensor, skip: int, packed: torch.Tensor, dt: torch.dtype,
-                     cfg: Fp8CommConfig, impl: str, scale: torch.Tensor) -> None:
-    """Quantize every row of ``x2d`` but row ``skip`` into the consecutive rows of ``packed``."""
+                     cfg: Fp8CommConfig, impl: str, scale: Optional[torch.Tensor]) -> None:
+    """Quantize every row of ``x2d`` but row ``skip`` into the consecutive rows of ``packed``
+    (``scale=None``: each row's own amax, fused into the cast launches with the Triton impl)."""
     if skip > 0:
         quantize_rows(x2d[:skip], packed[:skip], dt, power_of_2=cfg.power_of_2_scale, impl=impl,
-                      scale=scale[:skip])
+                      scale=None if scale is None else scale[:skip])
     if skip < x2d.shape[0] - 1:
         quantize_rows(x2d[skip + 1:], packed[skip:], dt, power_of_2=cfg.power_of_2_scale,
-                      impl=impl, scale=scale[skip + 1:])
+                      impl=impl, scale=None if scale is None else scale[skip + 1:])
 
 
 def _reduce_scatter_issue(x2d: torch.Tensor, rank: int, ws: int, dt: torch.dtype,
                           cfg: Fp8CommConfig, impl: str, group, bounds):
     """Cast each stage's chunks for the other ranks and start its all-to-all (async)."""
-    scales = stage_scales(x2d, bounds, dt, cfg.power_of_2_scale)
+    fused = _fused_scales(impl, bounds)
+    scales = None if fused else stage_scales(x2d, bounds, dt, cfg.power_of_2_scale)
     sends, recvs = _carve(ws - 1, bounds, x2d.device), _carve(ws - 1, bounds, x2d.device)
     works = []
     for k, (lo, hi) in enumerate(bounds):
-        _quantize_except(x2d[:, lo:hi], rank, sends[k], dt, cfg, impl, scales[:, k])
+        _quantize_except(x2d[:, lo:hi], rank, sends[k], dt, cfg, impl,
+                         None if fused else scales[:, k])
         seg = sends[k].shape[1]
         splits = [0 if j == rank else seg for j in range(ws)]
         works.append(dist.all_to_all_single(recvs[k].view(-1), sends[k].view(-1), splits, splits,
@@ -146,13 +155,14 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
         amax = row_amax(x)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         scales = scale_from_amax(amax, dt, 0, cfg.power_of_2_scale).expand(1, len(bounds))
-    else:
-        scales = stage_scales(x, bounds, dt, cfg.power_of_2_scale)
+    else:  # per-rank scale: fused into the cast launches with the Triton impl, one stage
+        scales = None if _fused_scales(impl, bounds) else stage_scales(
+            x, bounds, dt, cfg.power_of_2_scale)
     sends, recvs = _carve(1, bounds, x.device), _carve(ws, bounds, x.device)
     works = []
     for k, (lo, hi) in enumerate(bounds):  # cast stage k+1 while stage k is on the wire
         quantize_rows(x[:, lo:hi], sends[k], dt, power_of_2=cfg.power_of_2_scale, impl=impl,
-                      scale=scales[:, k])
+                      scale=None if scales is None else scales[:, k])
         works.append(_all_gather_single(recvs[k].view(-1), sends[k].view(-1), group, True))
     out2d, commit = _staging(output, (ws, n))
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8boost.fp8.kernels.cast import _abs_bits, _scale_from_amax
 from fp8boost.fp8.scaling import fp8_max
 
 BLOCK = 4096
@@ -43,6 +44,50 @@ def _cast_rows_kernel(x_ptr, x_row_stride, scale_ptr, out_ptr, out_row_stride, n
     else:
         q = y.to(tl.float8e5)
     tl.store(out_ptr + row * out_row_stride + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _row_amax_kernel(x_ptr, x_row_stride, part_ptr, n_cols, n_blocks, P,
+                     BLOCK: tl.constexpr):
+    # Program (p, row) reduces blocks p, p + P, ... of its row to one partial: max |x| as int32
+    # bits (exact and NaN-propagating: see fp8boost.fp8.kernels.cast).
+    row = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for b in range(p, n_blocks, P):
+        offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + offs, mask=offs < n_cols, other=0.0)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.store(part_ptr + row * P + p, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, x_row_stride, part_ptr, P, out_ptr, out_row_stride, n_cols,
+                          trailer_off, TARGET: tl.constexpr, FP8_MAX: tl.constexpr,
+                          POW2: tl.constexpr, IS_E4M3: tl.constexpr, BLOCK: tl.constexpr,
+                          PBLOCK: tl.constexpr):
+    # Each program derives its row's scale from the row's amax partials (a few bytes, no extra
+    # launch), casts one block, and program 0 of the row writes the FP32 inverse scale into
+    # the segment's trailer, byte by byte (little-endian, as tensor.view(torch.uint8) lays it).
+    row = tl.program_id(1).to(tl.int64)
+    pidx = tl.arange(0, PBLOCK)
+    bits = tl.max(tl.load(part_ptr + row * P + pidx, mask=pidx < P, other=0), axis=0)
+    scale = _scale_from_amax(bits.to(tl.float32, bitcast=True), TARGET, POW2)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    y = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32) * scale
+    y = tl.where(y > FP8_MAX, FP8_MAX, y)
+    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+    if IS_E4M3:
+        q = y.to(tl.float8e4nv)
+    else:
+        q = y.to(tl.float8e5)
+    tl.store(out_ptr + row * out_row_stride + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+    inv_bits = tl.math.div_rn(1.0, scale).to(tl.int32, bitcast=True)
+    k = tl.arange(0, 4)
+    byte = ((inv_bits >> (k * 8)) & 0xFF).to(tl.uint8)
+    n_bytes = tl.where(tl.program_id(0) == 0, 4, 0)  # only the row's first program writes
+    tl.store(out_ptr + row * out_row_stride + trailer_off + k, byte, mask=k < n_bytes)
 
 
 @triton.jit
@@ -107,6 +152,31 @@ def cast_rows(x2d: torch.Tensor, scale: torch.Tensor, packed: torch.Tensor,
                                 FP8_MAX=fp8_max(fp8_dtype),
                                 IS_E4M3=fp8_dtype == torch.float8_e4m3fn, BLOCK=BLOCK,
                                 num_warps=NUM_WARPS)
+
+
+def quantize_rows(x2d: torch.Tensor, packed: torch.Tensor, trailer_off: int,
+                  fp8_dtype: torch.dtype, power_of_2: bool) -> None:
+    """Each row of ``x2d[R, C]`` cast with the scale from its own amax into ``packed[:, :C]``
+    (uint8), its FP32 inverse scale into ``packed[:, trailer_off:trailer_off + 4]``.
+
+    Two launches for any number of rows: per-row amax partials, then scale + cast + trailer
+    (instead of an amax reduction, ~8 small scale-math kernels, a trailer copy and the cast).
+    Bytes and scales equal :func:`fp8boost.parallel.comm.wire.quantize_rows`'s torch path.
+    """
+    _check_unit_col_stride(x2d, "x2d")
+    rows, cols = x2d.shape
+    n_blocks = triton.cdiv(cols, BLOCK)
+    parts = max(1, min(n_blocks, 64))
+    part = torch.empty((rows, parts), dtype=torch.int32, device=x2d.device)
+    is_e4m3 = fp8_dtype == torch.float8_e4m3fn
+    with _device_ctx(x2d):
+        _row_amax_kernel[(parts, rows)](x2d, x2d.stride(0), part, cols, n_blocks, parts,
+                                        BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _quantize_rows_kernel[(max(n_blocks, 1), rows)](
+            x2d, x2d.stride(0), part, parts, packed, packed.stride(0), cols, trailer_off,
+            TARGET=fp8_max(fp8_dtype), FP8_MAX=fp8_max(fp8_dtype), POW2=bool(power_of_2),
+            IS_E4M3=is_e4m3, BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(parts),
+            num_warps=NUM_WARPS)
 
 
 def dequant_rows(packed: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, numel: int,
