@@ -15,7 +15,9 @@ Variants: ``bf16`` (the plain collective), ``fp8:<impl>`` (our function, every c
 impl = triton / torch; default config, one stage), ``fp8-pipelined:<impl>`` (8 MiB stages),
 ``fp8-shared:<impl>`` (all-gather with one group-wide scale),
 ``wire-u8`` (the plain collective on the FP8 byte count: the wire-only lower bound) and
-``casts:<impl>`` (quantize + dequantize without communication). Each fp8 result is checked
+``casts:<impl>`` (quantize + dequantize without communication) and, for all-gather,
+``to-fp8-consumer:<impl>`` (quantize + gather, no dequantize: the bytes an FP8 GEMM takes as
+they are, the issue-12 "all-gather into an FP8 consumer"). Each fp8 result is checked
 against the bf16 one (max error / max |ref|), and triton against torch (bit-equal outputs).
 
 Writes JSON (device, versions, date, command, world size, results, suggested
@@ -145,6 +147,8 @@ def _variants(op: str, n: int, ws: int, rank: int, device, impls) -> dict[str, C
             v[f"fp8-shared:{i}"] = lambda cfg=cfg: fc.all_gather_fp8(
                 shard, config=cfg.replace(all_gather_scale="shared"))
             v[f"casts:{i}"] = lambda i=i: _casts_only(shard, ws, i)
+            v[f"to-fp8-consumer:{i}"] = lambda i=i: _gather_for_fp8_consumer(shard, send, recv,
+                                                                              i)
     elif op == "reduce_scatter":
         full = rnd(n)
         out = torch.empty(n // ws, dtype=torch.bfloat16, device=device)
@@ -190,6 +194,17 @@ def _variants(op: str, n: int, ws: int, rank: int, device, impls) -> dict[str, C
         for i, cfg in cfgs.items():
             v[f"fp8:{i}"] = lambda cfg=cfg: p2p(cfg)
     return v
+
+
+def _gather_for_fp8_consumer(shard: torch.Tensor, send: torch.Tensor, recv: torch.Tensor,
+                             impl: str) -> torch.Tensor:
+    """All-gather whose FP8 bytes go straight to an FP8 consumer (a GEMM): quantize the shard
+    (scale + trailer included), gather the segments, no dequantize."""
+    n = shard.numel()
+    quantize_rows(shard.view(1, n), send.view(1, -1), torch.float8_e4m3fn, power_of_2=True,
+                  impl=impl)
+    fc._all_gather_single(recv, send, None, False)
+    return recv
 
 
 def _casts_only(shard: torch.Tensor, ws: int, impl: str) -> torch.Tensor:
