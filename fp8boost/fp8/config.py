@@ -95,9 +95,7 @@ class Fp8Config:
     holding its transposed FP8 copy from forward to backward. Saves 1 byte per weight element
     of activation memory for one weight cast more per backward; a cached weight cast (see
     ``cache_weight_cast``) is used as it is. ``False`` keeps the copy (the earlier behaviour).
-    Under ``torch.compile`` the partitioner decides: it keeps the FP8 copy (it does not
-    recompute a cast whose result feeds a GEMM), so the option changes eager mode only
-    (measured: ``bench/saved_activations.py``)."""
+    Eager and compiled (``bench/saved_activations.py`` measures what each layer keeps)."""
 
     skip_module_names: tuple[str, ...] = ("lm_head",)
     """Default filter: linear layers whose qualified name ends with one of these stay high precision."""

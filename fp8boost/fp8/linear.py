@@ -96,7 +96,14 @@ class _Fp8LinearFn(torch.autograd.Function):
         layer = ctx.layer
         if ctx.direct and ctx.need_dgrad:  # the Fp8WeightTensor itself was saved
             wq_t, w_inv = fp8_weight_transpose(wq_t), wq_t._inv_scale
-        elif ctx.recast:  # the Parameter and its amax were saved
+        elif ctx.recast:  # the Parameter and its amax (in w_inv's slot) were saved
+            if _compiling() and dy.numel():
+                # AOTAutograd's partitioner moves work that needs no gradient into the forward
+                # and saves its result: it would cast W^T there and keep it (the very copy the
+                # re-cast avoids). One element of dy, made an exact 0, ties the re-cast to
+                # backward; amax + 0 is the same amax, so the same scale and bytes.
+                d0 = dy.reshape(-1)[:1].float().nan_to_num(0.0, 0.0, 0.0)
+                w_inv = w_inv + (d0 * 0.0).reshape(())
             wq = layer._recast_weight_t(wq_t, w_inv)
             wq_t, w_inv = wq.data, wq.inv_scale
         backend, cfg = layer._fp8_backend, layer.fp8_config

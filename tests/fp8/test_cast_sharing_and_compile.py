@@ -209,7 +209,8 @@ def test_inductor_cast_fuses_into_rmsnorm_and_matches_the_kernel_cast():
 def test_compiled_layers_reading_one_tensor_share_one_cast():
     """Under compile (default inductor casts), common-subexpression elimination merges the
     casts of q/k/v's shared input: one saved FP8 copy of it, not three (a NaN constant in the
-    scale math once blocked this: NaN != NaN)."""
+    scale math once blocked this: NaN != NaN); and the dgrad weight is re-cast in backward,
+    not saved from forward."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -229,3 +230,5 @@ def test_compiled_layers_reading_one_tensor_share_one_cast():
     x = torch.randn(96, 48, requires_grad=True)
     torch.compile(block, backend=backend, fullgraph=True)(x).sum().backward()
     assert saved.count((48, 96)) == 1, saved  # x^T for the three wgrads, once
+    # recompute_weight_cast: no FP8 weight copy is kept for dgrad, compiled too
+    assert (48, 48) not in saved, saved
