@@ -170,12 +170,12 @@ class Fp8Conv1D(Fp8Linear):
         # assumes Fp8Linear's [out, in] layout.
         return False
 
-    def _weight_operand(self, with_transpose: bool, recompute: bool):
+    def _weight_fp8(self, with_transpose: bool, recompute: bool = False) -> Fp8Tensor:
         # The stored [in, out] weight cast with its transpose gives both operands: the [out, in]
         # forward operand is its transpose, and the [in, out] dgrad operand is the cast itself
         # (so there is nothing to re-cast in backward).
-        wq, _ = super()._weight_operand(with_transpose=True, recompute=False)
-        return Fp8Tensor(wq.data_t, wq.inv_scale, wq.data), None
+        wq = super()._weight_fp8(with_transpose=True)
+        return Fp8Tensor(wq.data_t, wq.inv_scale, wq.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

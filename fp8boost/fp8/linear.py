@@ -69,8 +69,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         # is exactly what FSDP's reshard-after-forward frees.
         direct = layer._prequantized_ok(weight)
         want_t = need_dgrad and not direct
-        recast = want_t and cfg.recompute_weight_cast
-        wq, w_amax = layer._weight_operand(want_t and not recast, recompute=recast)
+        recompute = want_t and cfg.recompute_weight_cast
+        wq = layer._weight_fp8(want_t and not recompute, recompute=recompute)
         y = backend.mm(xq.data, wq.data, xq.inv_scale, wq.inv_scale, bias=bias,
                        out_dtype=x2d.dtype, use_fast_accum=cfg.fast_accum_fprop)
         ctx.layer = layer
@@ -78,7 +78,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.direct = direct
         # dgrad's W^T is re-cast in backward from the Parameter (kept anyway) with the forward's
         # amax: the same bytes, without holding N*K FP8 bytes from forward to backward.
-        ctx.recast = w_amax is not None
+        ctx.recast = recompute and wq.data_t is None
+        w_amax = wq.amax
         if ctx.recast and _compiling():
             # dynamo refuses to save a tensor that aliases another output of the traced forward
             w_amax = w_amax.clone()
@@ -224,16 +225,9 @@ class Fp8Linear(nn.Linear):
 
     def _quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype,
                   with_transpose: bool) -> Fp8Tensor:
-        """Every FP8 cast of this layer (tests spy on it). ``.amax`` is set with current
-        scaling (see :meth:`_quantize_amax`)."""
-        q, a = self._quantize_amax(role, x, dtype, with_transpose)
-        q.amax = a
-        return q
-
-    def _quantize_amax(self, role: str, x: torch.Tensor, dtype: torch.dtype,
-                       with_transpose: bool) -> tuple[Fp8Tensor, Optional[torch.Tensor]]:
-        """The cast and, with current scaling, the amax its scale came from (``None`` for
-        delayed scaling): ``scale_from_amax`` of it gives the very scale used, bit for bit."""
+        """Every FP8 cast of this layer (tests spy on it). With current scaling the result's
+        ``.amax`` is the amax its scale came from (``scale_from_amax`` of it is the very scale,
+        bit for bit); delayed scaling leaves it None."""
         cfg, cast = self.fp8_config, self._cast_fn()
         if not self._delayed:
             group = self._amax_groups.get(role)
@@ -242,16 +236,18 @@ class Fp8Linear(nn.Linear):
                 torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
                 scale = scale_from_amax(a, dtype, cfg.margin, cfg.power_of_2_scale)
                 q, _ = cast(x, dtype, scale=scale, with_transpose=with_transpose)
-                return q, a
-            return cast(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
-                        with_transpose=with_transpose)
+            else:
+                q, a = cast(x, dtype, margin=cfg.margin, power_of_2=cfg.power_of_2_scale,
+                            with_transpose=with_transpose)
+            q.amax = a
+            return q
         i = _ROLES.index(role)
         state = self._delayed[role].bind(self.fp8_amax_history[i], self.fp8_scale[i])
         if not state.initialized:
             state.seed(state.reduce(amax(x)))
         q, a = cast(x, dtype, scale=state.scale.clone(), with_transpose=with_transpose)
         state.record(state.reduce(a))
-        return q, None
+        return q
 
     def _input_fp8(self, x2d: torch.Tensor, with_transpose: bool) -> Fp8Tensor:
         """The input operand: the bytes of an FP8 carrier as they are (e.g. the sequence-
@@ -349,10 +345,6 @@ class Fp8Linear(nn.Linear):
         self._w_cache = None  # an older cast of the same weight would only pin memory
         self._pre_w = (key, data_fp8, inv_scale.float().reshape(()), [None])
 
-    def _weight_fp8(self, with_transpose: bool) -> Fp8Tensor:
-        """The FP8 weight operand (with its K-major transpose when asked)."""
-        return self._weight_operand(with_transpose, recompute=False)[0]
-
     def _recast_weight_t(self, weight: torch.Tensor, w_amax: torch.Tensor) -> Fp8Tensor:
         """Backward: W^T cast with the scale of the forward's cast (same amax, same bytes)."""
         cfg = self.fp8_config
@@ -363,19 +355,20 @@ class Fp8Linear(nn.Linear):
         # under compile the copy fuses into the cast)
         return Fp8Tensor(q.data.contiguous(), q.inv_scale)
 
-    def _weight_operand(self, with_transpose: bool,
-                        recompute: bool) -> tuple[Fp8Tensor, Optional[torch.Tensor]]:
-        """The weight operand, and the amax to re-cast its transpose from in backward when
-        ``recompute`` and the cast is not kept (current scaling, no cache entry, a plain
-        Parameter); the amax is None whenever the operand already carries its transpose or
-        ``with_transpose`` asked for it."""
+    def _weight_fp8(self, with_transpose: bool, recompute: bool = False) -> Fp8Tensor:
+        """The FP8 weight operand, with its K-major transpose when ``with_transpose``.
+
+        ``recompute``: backward wants the transpose but may re-cast it itself. The operand then
+        comes without it only where that is possible (current scaling, no cache entry, a plain
+        Parameter: its ``.amax`` gives the re-cast the same scale); everywhere else it carries
+        the transpose."""
         w = self.weight
         if isinstance(w, Fp8WeightTensor):
             self._w_cache = None  # a cast of an earlier plain weight would only pin memory
             if self._prequantized_ok(w):
-                return fp8_weight_operand(w, with_transpose), None  # no cast, no cache
+                return fp8_weight_operand(w, with_transpose)  # no cast, no cache
             return self._quantize("weight", dequantize_weight(w), self.fp8_config.fwd_dtype,
-                                  with_transpose=with_transpose or recompute), None
+                                  with_transpose=with_transpose or recompute)
         pre = self.__dict__.get("_pre_w")  # from set_prequantized_weight
         if pre is not None:
             # Under torch.compile the key (version counters, the step epoch) cannot be read
@@ -388,7 +381,7 @@ class Fp8Linear(nn.Linear):
                 if (with_transpose or recompute) and pre[3][0] is None:
                     pre[3][0] = transpose_fp8(pre[1])  # dgrad's K-major copy, made once
                 return Fp8Tensor(pre[1], pre[2],
-                                 pre[3][0] if with_transpose or recompute else None), None
+                                 pre[3][0] if with_transpose or recompute else None)
             _state.warn_once(("fp8-linear-prequantized-dropped", why),
                              f"fp8boost: Fp8Linear casts its weight itself instead of using the "
                              f"prequantized FP8 weight: {why}")
@@ -400,7 +393,7 @@ class Fp8Linear(nn.Linear):
                    self._fp8_backend.name)
             if self._w_cache is not None and self._w_cache[0] == key:
                 if self._w_cache[1] is not None:
-                    return self._w_cache[1], None  # cached casts always carry the transpose
+                    return self._w_cache[1]  # cached casts always carry the transpose
                 # The second forward of this weight (micro-batches, recomputation): from now on
                 # the cast pays for the memory it pins. After only one forward per step it
                 # would not: the row-major copy would live, unused, until the next step.
@@ -408,13 +401,10 @@ class Fp8Linear(nn.Linear):
         # Always emit the transpose when caching: the next backward will want it.
         wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
                             with_transpose=with_transpose or keep)
-        a = wq.amax
         self._w_cache = (key, wq if keep else None) if use_cache else None
-        if recompute and wq.data_t is None:
-            if a is not None:
-                return wq, a
-            wq = Fp8Tensor(wq.data, wq.inv_scale, transpose_fp8(wq.data))  # delayed scaling
-        return wq, None
+        if recompute and wq.data_t is None and wq.amax is None:  # delayed: no re-cast scale
+            wq = Fp8Tensor(wq.data, wq.inv_scale, transpose_fp8(wq.data))
+        return wq
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
