@@ -34,16 +34,21 @@ def _cast_rows_kernel(x_ptr, x_row_stride, scale_ptr, out_ptr, out_row_stride, n
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.load(scale_ptr + row)
+    q = _fp8_bytes(x * tl.load(scale_ptr + row), FP8_MAX, IS_E4M3)
+    tl.store(out_ptr + row * out_row_stride + offs, q, mask=mask)
+
+
+@triton.jit
+def _fp8_bytes(y, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr):
     # Saturate explicitly (e5m2 would overflow to inf); comparisons with NaN are false, so a NaN
-    # passes through and stays visible.
+    # passes through and stays visible. Round to nearest even; return the bytes as uint8.
     y = tl.where(y > FP8_MAX, FP8_MAX, y)
     y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
     if IS_E4M3:
         q = y.to(tl.float8e4nv)
     else:
         q = y.to(tl.float8e5)
-    tl.store(out_ptr + row * out_row_stride + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+    return q.to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -63,7 +68,7 @@ def _row_amax_kernel(x_ptr, x_row_stride, part_ptr, n_cols, n_blocks, P,
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, x_row_stride, part_ptr, P, out_ptr, out_row_stride, n_cols,
-                          trailer_off, TARGET: tl.constexpr, FP8_MAX: tl.constexpr,
+                          trailer_off, FP8_MAX: tl.constexpr,
                           POW2: tl.constexpr, IS_E4M3: tl.constexpr, BLOCK: tl.constexpr,
                           PBLOCK: tl.constexpr):
     # Each program derives its row's scale from the row's amax partials (a few bytes, no extra
@@ -72,17 +77,12 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, part_ptr, P, out_ptr, out_row_str
     row = tl.program_id(1).to(tl.int64)
     pidx = tl.arange(0, PBLOCK)
     bits = tl.max(tl.load(part_ptr + row * P + pidx, mask=pidx < P, other=0), axis=0)
-    scale = _scale_from_amax(bits.to(tl.float32, bitcast=True), TARGET, POW2)
+    scale = _scale_from_amax(bits.to(tl.float32, bitcast=True), FP8_MAX, POW2)  # margin 0
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    y = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    y = tl.where(y > FP8_MAX, FP8_MAX, y)
-    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
-    if IS_E4M3:
-        q = y.to(tl.float8e4nv)
-    else:
-        q = y.to(tl.float8e5)
-    tl.store(out_ptr + row * out_row_stride + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+    x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + offs, _fp8_bytes(x * scale, FP8_MAX, IS_E4M3),
+             mask=mask)
     inv_bits = tl.math.div_rn(1.0, scale).to(tl.int32, bitcast=True)
     k = tl.arange(0, 4)
     byte = ((inv_bits >> (k * 8)) & 0xFF).to(tl.uint8)
@@ -174,7 +174,7 @@ def quantize_rows(x2d: torch.Tensor, packed: torch.Tensor, trailer_off: int,
                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
         _quantize_rows_kernel[(max(n_blocks, 1), rows)](
             x2d, x2d.stride(0), part, parts, packed, packed.stride(0), cols, trailer_off,
-            TARGET=fp8_max(fp8_dtype), FP8_MAX=fp8_max(fp8_dtype), POW2=bool(power_of_2),
+            FP8_MAX=fp8_max(fp8_dtype), POW2=bool(power_of_2),
             IS_E4M3=is_e4m3, BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(parts),
             num_warps=NUM_WARPS)
 
