@@ -76,28 +76,44 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_killed_rank_restarts_and_ends_bit_exact_every_plugin(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("TRITON_INTERPRET", None)
+def _drill(tmp_path: Path, plugins, env: dict) -> str:
+    """One torchrun launch of fault_driver.py (rank 1 of each plugin's run dies in its own
+    attempt); checks the launch, the resumes and the deaths, returns the output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={len(PLUGINS)}", str(Path(__file__).with_name("fault_driver.py")),
-           str(tmp_path), str(STEPS), str(SAVE), str(CRASH), *PLUGINS]
+           f"--max-restarts={len(plugins)}", str(Path(__file__).with_name("fault_driver.py")),
+           str(tmp_path), str(STEPS), str(SAVE), str(CRASH), *plugins]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
-    final = f"step_{STEPS:08d}"
-    for plugin in PLUGINS:
-        ref, crash = tmp_path / f"{plugin}-ref", tmp_path / f"{plugin}-crash"
+    for plugin in plugins:
+        crash = tmp_path / f"{plugin}-crash"
         assert f"resumed from {crash}/checkpoints/step_{SAVE * (CRASH // SAVE):08d}" in out, \
             (plugin, out[-3000:])
-        a, b = _tensors(ref / "checkpoints" / final), _tensors(crash / "checkpoints" / final)
-        assert a.keys() == b.keys() and len(a) > 10, plugin
+    for attempt in range(len(plugins)):  # one real rank death per plugin, one per attempt
+        assert out.count(f"--simulate-crash: exiting at step {CRASH} (attempt {attempt})") == 1
+    return out
+
+
+def _final_tensors(tmp_path: Path, plugin: str):
+    """(uninterrupted, restarted) final checkpoints of one plugin's runs, same keys."""
+    final = f"step_{STEPS:08d}"
+    a, b = (_tensors(tmp_path / f"{plugin}-{kind}" / "checkpoints" / final)
+            for kind in ("ref", "crash"))
+    assert a.keys() == b.keys() and len(a) > 10, plugin
+    return a, b
+
+
+def test_killed_rank_restarts_and_ends_bit_exact_every_plugin(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    _drill(tmp_path, PLUGINS, env)
+    for plugin in PLUGINS:
+        a, b = _final_tensors(tmp_path, plugin)
         differ = [k for k in a if not torch.equal(a[k], b[k])]
         assert not differ, f"{plugin}: the restarted run ended with other values: {differ[:5]}"
-        assert _losses(ref) == _losses(crash), plugin
-    for attempt in range(len(PLUGINS)):  # one real rank death per plugin, one per attempt
-        assert out.count(f"--simulate-crash: exiting at step {CRASH} (attempt {attempt})") == 1
+        assert _losses(tmp_path / f"{plugin}-ref") == _losses(tmp_path / f"{plugin}-crash"), \
+            plugin
     if importlib.util.find_spec("tensorboard") is not None:  # --tensorboard (ddp run)
         events = list((tmp_path / "ddp-ref" / "tensorboard").glob("events.out.tfevents.*"))
         assert events and events[0].stat().st_size > 100
@@ -112,29 +128,17 @@ def test_killed_rank_restarts_on_nccl(tmp_path):
     plugins = ("zero2", "hybrid")
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=os.environ.get(
         "CUDA_VISIBLE_DEVICES", "0,1"), NCCL_NVLS_ENABLE="0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={len(plugins)}", str(Path(__file__).with_name("fault_driver.py")),
-           str(tmp_path), str(STEPS), str(SAVE), str(CRASH), *plugins]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=900)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-6000:]
-    final = f"step_{STEPS:08d}"
+    _drill(tmp_path, plugins, env)
     for plugin in plugins:
-        ref, crash = tmp_path / f"{plugin}-ref", tmp_path / f"{plugin}-crash"
-        assert f"resumed from {crash}/checkpoints/step_{SAVE * (CRASH // SAVE):08d}" in out
-        run = json.loads((crash / "run_config.json").read_text())
+        run = json.loads((tmp_path / f"{plugin}-crash" / "run_config.json").read_text())
         assert run["device"].startswith("cuda") and run["world_size"] == 2  # NCCL: CUDA ranks
-        a, b = _tensors(ref / "checkpoints" / final), _tensors(crash / "checkpoints" / final)
-        assert a.keys() == b.keys() and len(a) > 10, plugin
+        a, b = _final_tensors(tmp_path, plugin)
         for k in a:
             torch.testing.assert_close(b[k].float(), a[k].float(), rtol=2e-3, atol=1e-4,
                                        msg=lambda m, k=k: f"{plugin} {k}: {m}")
-        la, lb = _losses(ref), _losses(crash)
+        la, lb = _losses(tmp_path / f"{plugin}-ref"), _losses(tmp_path / f"{plugin}-crash")
         assert la.keys() == lb.keys() and all(abs(la[s] - lb[s]) <= 2e-3 * abs(la[s])
                                               for s in la), (plugin, la, lb)
-    for attempt in range(len(plugins)):
-        assert out.count(f"--simulate-crash: exiting at step {CRASH} (attempt {attempt})") == 1
 
 
 def test_resume_auto_falls_back_past_a_corrupt_checkpoint(ex, tmp_path, capsys):
