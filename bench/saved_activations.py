@@ -165,7 +165,10 @@ def main(argv=None) -> int:
         base = rows["eager/bf16" if name.startswith("eager") else "compiled/bf16"]["bytes"]
         r["vs_bf16_same_mode"] = r["bytes"] / base
     import transformers
-    report = dict(benchmark="saved_activations_per_decoder_layer", torch=torch.__version__,
+    import platform
+    report = dict(benchmark="saved_activations_per_decoder_layer",
+                  device=f"cpu ({platform.machine()}; saved bytes do not depend on the device)",
+                  torch=torch.__version__,
                   transformers=transformers.__version__,
                   date=datetime.datetime.now().isoformat(timespec="seconds"),
                   command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
