@@ -42,19 +42,9 @@ def make_adamw(params, args, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **extra)
 
 
-def dense_bf16_peak(name: str) -> Optional[float]:
-    """Dense BF16 tensor-core peak (TFLOP/s, no sparsity) by device name; None if unknown."""
-    up = name.upper()
-    if "H100" in up:
-        if "PCIE" in up:
-            return 756.0
-        return 989.4 if ("SXM" in up or "HBM3" in up) else None
-    if "H200" in up or "H800" in up:
-        return 989.4
-    return None
-
-
 def peak_bf16_tflops(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
+    from _scale_report import dense_bf16_peak  # one peak table for every bench (data sheets)
+
     return dense_bf16_peak(torch.cuda.get_device_name(device))

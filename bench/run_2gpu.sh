@@ -4,10 +4,7 @@
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench/results}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/_torchao_wheel.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nvidia-smi topo -m | head -4
 T="--warmup 3 --steps 8"

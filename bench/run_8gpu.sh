@@ -36,10 +36,7 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-if [ -z "${DRY:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # torchao is not on the GPU image (see device notes)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/_torchao_wheel.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sort | uniq -c
 PY="${DRY:+echo }python3"  # DRY=1: print each command instead of running it (tests)
 filt() { if [ -n "${DRY:-}" ]; then cat; else grep -E "$1" | tail -"$2"; fi; }

@@ -7,10 +7,7 @@
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench/results}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/_torchao_wheel.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 T="--preset 7b-8l --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 --nproc 2 --config-timeout 170"
 CONFIGS=fsdp2_bf16,torchao_fsdp2,gemini_bf16,gemini_fp8,gemini_fp8_comm

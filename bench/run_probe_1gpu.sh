@@ -4,10 +4,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/_torchao_wheel.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, torchao, triton; print('torch', torch.__version__, 'torchao', torchao.__version__, 'triton', triton.__version__)"
 T="--preset 7b-8l --layers 4 --batch-size 2 --seq-len 4096 --warmup 4 --steps 10 --nproc 1"

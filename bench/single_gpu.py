@@ -111,6 +111,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--output", default=None, help="JSON path (default: $OUT or bench/results)")
     p.add_argument("--config-timeout", type=int, default=420, help="seconds per cell")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: per cell, kernel ms/step by category (bench/_profile.py)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = p.parse_args(argv)
     args.shapes = _pick(args.shapes, SHAPES, DEFAULT_SHAPES, "shape")
@@ -127,6 +129,8 @@ def cell_argv(args: argparse.Namespace, shape: str, mode: str, output: str) -> l
             "--device", args.device]
     for key, value in SHAPES[shape].items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
+    if args.profile_steps:
+        flags = flags + ["--profile-steps", str(args.profile_steps)]
     return argv + flags + ["--fused-adamw", "--warmup", str(args.warmup),
                            "--steps", str(args.steps), "--output", output]
 
@@ -295,6 +299,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                       + (f", {speed:.0f} tok/s, {cell['peak_mem_gib']:.2f} GiB, first step "
                          f"{cell['first_step_s']:.1f} s" if cell["status"] == "ok" else
                          f"\n{str(cell.get('error', ''))[-1500:]}"), flush=True)
+                if cell.get("kernels"):
+                    import _profile  # bench/_profile.py
+                    print(_profile.format_breakdown(f"{shape} {mode}", cell["kernels"]),
+                          flush=True)
     print(f"[single_gpu] dry run: JSON would go to {path}" if args.dry_run else
           f"[single_gpu] JSON written to {path}\n\n{format_table(report)}", flush=True)
     return 0

@@ -128,6 +128,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="torch.compile each decoder layer (all configs)")
     p.add_argument("--fused-adamw", action="store_true",
                    help="AdamW(fused=True) on CUDA (default off: earlier results used foreach)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: profile this many extra steps; kernel ms/step by category")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--output", default=None, help="JSON path (default: $OUT or bench/results)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -280,6 +282,11 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         extra["compile"] = compile_evidence()
     if getattr(args, "_fp8_layers", None):
         extra["fp8_layers"] = args._fp8_layers
+    if getattr(args, "profile_steps", 0) and device.type == "cuda":
+        import _profile  # bench/_profile.py
+        extra["kernels"] = _profile.kernel_breakdown(step, args.profile_steps, device)
+        if rank == 0:
+            print(_profile.format_breakdown(name, extra["kernels"]), flush=True)
     return dict(extra, first_step_s=times[0] if first_step is None else first_step,
                 warmup_s=warmup_s,
                 median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
@@ -518,6 +525,8 @@ def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]
         argv += ["--fp8-min-numel", str(args.fp8_min_numel)]
     if args.fp8_options:
         argv += ["--fp8-options", args.fp8_options]
+    if args.profile_steps:
+        argv += ["--profile-steps", str(args.profile_steps)]
     for flag in ("layers", "hidden", "ffn", "heads", "kv_heads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

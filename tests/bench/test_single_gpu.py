@@ -68,9 +68,11 @@ def test_shapes_modes_and_command_lines(sg, capsys):
 
 
 def test_peak_table_ratios_and_compile_check(sg):
-    peak = sg.train._single.dense_bf16_peak
-    assert peak("NVIDIA H100 80GB HBM3") == peak("NVIDIA H200") == peak("NVIDIA H800") == 989.4
-    assert peak("NVIDIA H100 PCIe") == 756.0 and peak("NVIDIA A100-SXM4-80GB") is None
+    import _scale_report  # the one peak table (bench/_single.py's MFU reads it too)
+
+    peak = _scale_report.dense_bf16_peak
+    assert peak("NVIDIA H100 80GB HBM3") == peak("NVIDIA H200") == peak("NVIDIA H800") == 989.0
+    assert peak("NVIDIA H100 PCIe") == 756.0 and peak("cpu") is None
 
     def ok(tok, **kw):
         return dict(status="ok", tokens_per_s_per_gpu=tok, peak_mem_gib=1.0, first_step_s=9.0,
@@ -158,3 +160,32 @@ def test_cpu_run_tiny(tmp_path):
     torchao = cells["torchao_compiled"]["status"]
     assert torchao == ("skipped" if importlib.util.find_spec("torchao") is None else "ok"), \
         cells["torchao_compiled"].get("error")
+
+
+def test_profile_categories_name_the_kernels_seen_on_h100(sg):
+    """bench/_profile.py: kernel names from an H100 profile (cuBLAS nvjet FP8 and BF16 GEMMs,
+    our Triton kernels, PyTorch's dtype copies whose names contain 'Cast') land where the
+    BENCHMARKS breakdown says; and --profile-steps reaches the cell's train.py command."""
+    import _profile
+
+    seen = {
+        "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "gemm_fp8_cublas",
+        "nvjet_sm90_qqtst_128x256_128x4_2x1_v_bz_coopA_TNN": "gemm_fp8_cublas",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "gemm_bf16",
+        "_gemm_tma_kernel": "gemm_fp8_triton",
+        "_cast_kernel": "fp8_cast",
+        "_amax_kernel": "fp8_cast",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda("
+        "at::TensorIteratorBase&)::{lambda()#3}, memory::LoadWithCast<1>>": "dtype_copy",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>":
+            "optimizer",
+        "triton_poi_fused__to_copy_add_clamp_mul_reciprocal_scaled_mm_silu": "inductor_fused",
+        "void at::native::cunn_SoftMaxBackward<4, float>": "loss_softmax",
+        "some_unknown_kernel": "other",
+    }
+    assert {name: _profile.categorize(name) for name in seen} == seen
+    args = sg.parse_args(["--shapes", "tiny", "--modes", "fp8_eager_all", "--profile-steps", "2"])
+    argv = sg.cell_argv(args, "tiny", "fp8_eager_all", "/tmp/x.json")
+    assert argv[argv.index("--profile-steps") + 1] == "2"
+    assert sg.train.parse_args(["--profile-steps", "2"]).profile_steps == 2
