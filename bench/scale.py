@@ -433,16 +433,10 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
-    argv = ["--configs", config, "--output", output, "--preset", args.preset,
-            "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
-            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
-            "--steps", str(args.steps), "--lr", str(args.lr), "--device", args.device,
-            "--build-dtype", args.build_dtype]
-    for flag in ("layers", "replica_batch", "microbatches", "fp8_min_numel", "bucket_m",
-                 "peak_tflops"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    argv += ["--activation-checkpointing"] if args.activation_checkpointing else []
+    argv = train.child_argv_for(args, config, output,
+                                ("build_dtype", "layers", "replica_batch", "microbatches",
+                                 "fp8_min_numel", "bucket_m", "peak_tflops"),
+                                ("activation_checkpointing",))
     return argv + (["--compile"] if args.compile and config != "fsdp2_bf16_eager" else [])
 
 

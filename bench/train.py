@@ -514,24 +514,26 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
+def child_argv_for(args: argparse.Namespace, config: str, output: str,
+                   optional: tuple[str, ...], switches: tuple[str, ...]) -> list[str]:
+    """One config's child command line (``--isolate``), for train.py and bench/scale.py.
+
+    The arguments every bench shares, then each ``optional`` attribute that is set (None
+    means unset; 0 is a value) and each ``switches`` flag that is on."""
     argv = ["--configs", config, "--output", output, "--preset", args.preset,
             "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
             "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--lr", str(args.lr), "--device", args.device]
-    if args.bucket_m is not None:
-        argv += ["--bucket-m", str(args.bucket_m)]
-    if args.fp8_min_numel is not None:
-        argv += ["--fp8-min-numel", str(args.fp8_min_numel)]
-    if args.fp8_options:
-        argv += ["--fp8-options", args.fp8_options]
-    if args.profile_steps:
-        argv += ["--profile-steps", str(args.profile_steps)]
-    for flag in ("layers", "hidden", "ffn", "heads", "kv_heads"):
+    for flag in optional:
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return argv + (["--compile"] if args.compile else []) + (
-        ["--fused-adamw"] if args.fused_adamw else [])
+    return argv + [f"--{flag.replace('_', '-')}" for flag in switches if getattr(args, flag)]
+
+
+def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
+    return child_argv_for(args, config, output,
+                          ("bucket_m", "fp8_min_numel", "fp8_options", "profile_steps", "layers",
+                           "hidden", "ffn", "heads", "kv_heads"), ("compile", "fused_adamw"))
 
 
 def run_isolated(args: argparse.Namespace) -> dict[str, Any]:

@@ -242,7 +242,7 @@ def test_compiled_fp8_layers_compile_once_over_training_steps():
     """convert_to_fp8 picks the backend up front (GPU weights, or the emulated backend), so a
     compiled layer's first forward mutates nothing that dynamo guards on: one graph for three
     training steps. Resolved lazily inside the first compiled forward, the backend choice made
-    the second step recompile (2 graphs here; 3 and ~6 s of warm-up on an H100 Llama)."""
+    the second step recompile (2 graphs here; on an H100 Llama, one cause of 3 graphs)."""
     from torch._dynamo.utils import counters
 
     from fp8boost.fp8 import convert_to_fp8
