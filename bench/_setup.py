@@ -122,8 +122,9 @@ def setup_booster(model, name: str, args, device):
         fp8_cfg = Fp8Config(**extra)
     if kind == "single":
         from fp8boost.booster.mixed_precision import MixedPrecision
-        booster = Booster(mixed_precision=MixedPrecision("fp8" if use_fp8 else "bf16",
-                                                         fp8_config=fp8_cfg), device=device)
+        booster = Booster(mixed_precision=MixedPrecision(
+            "fp8" if use_fp8 else "bf16", fp8_config=fp8_cfg,
+            fused_master_step=bool(getattr(args, "fused_master_step", False))), device=device)
     elif kind == "ddp":
         from fp8boost.plugins import TorchDDPPlugin
         booster = Booster(plugin=TorchDDPPlugin(use_fp8=use_fp8, fp8_communication=fp8_comm,

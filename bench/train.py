@@ -128,6 +128,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="torch.compile each decoder layer (all configs)")
     p.add_argument("--fused-adamw", action="store_true",
                    help="AdamW(fused=True) on CUDA (default off: earlier results used foreach)")
+    p.add_argument("--fused-master-step", action="store_true",
+                   help="single_* configs: MixedPrecision(fused_master_step=True) (experimental)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="CUDA: profile this many extra steps; kernel ms/step by category")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -533,7 +535,8 @@ def child_argv_for(args: argparse.Namespace, config: str, output: str,
 def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
     return child_argv_for(args, config, output,
                           ("bucket_m", "fp8_min_numel", "fp8_options", "profile_steps", "layers",
-                           "hidden", "ffn", "heads", "kv_heads"), ("compile", "fused_adamw"))
+                           "hidden", "ffn", "heads", "kv_heads"),
+                          ("compile", "fused_adamw", "fused_master_step"))
 
 
 def run_isolated(args: argparse.Namespace) -> dict[str, Any]:

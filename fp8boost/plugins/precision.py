@@ -79,11 +79,13 @@ def make_loss_scaler(precision: str, initial_scale: float, growth_interval: int)
 
 
 def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: str, max_norm: float,
-                   initial_scale: float = 2.0 ** 16, growth_interval: int = 1000):
+                   initial_scale: float = 2.0 ** 16, growth_interval: int = 1000,
+                   fused_master_step: bool = False):
     """Single-replica optimizer wrapper: FP32 master weights unless training in FP32."""
     if optimizer is None:
         return None
     if precision == "fp32":
         return OptimizerWrapper(optimizer, max_norm=max_norm)
     return ZeroOptimizer(optimizer, dp_group=None, max_norm=max_norm,
-                         loss_scaler=make_loss_scaler(precision, initial_scale, growth_interval))
+                         loss_scaler=make_loss_scaler(precision, initial_scale, growth_interval),
+                         fused_master_step=fused_master_step)

@@ -39,7 +39,7 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert args.shapes == ["1b", "7b-4l", "8b-4l"] and "tiny" not in args.shapes
     assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
                           "fp8_eager_all", "fp8_compiled_all"]
-    assert len(sg.parse_args(["--modes", "all"]).modes) == 12
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 14  # 6 default + 4 optional + 4 ablations
     with pytest.raises(ValueError, match="unknown shape"):
         sg.parse_args(["--shapes", "1b,70b"])
     with pytest.raises(ValueError, match="unknown mode"):

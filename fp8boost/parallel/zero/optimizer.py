@@ -78,6 +78,11 @@ class ZeroOptimizer(OptimizerProxy):
             its stages (each holds different parameters).
         pp_counted_elsewhere: parameters whose gradient another stage also holds and counts
             in the norm (a tied embedding on the last stage): counted once.
+        fused_master_step: one rank with FP32 masters and AdamW: update each master from its
+            BF16 gradient and write the BF16 parameter in one kernel
+            (:mod:`~fp8boost.parallel.zero.fused_step`), instead of copying the gradient to
+            FP32 and the master back. Where it cannot apply, a one-time warning says why and
+            the default step runs.
 
     Example:
         >>> import torch
@@ -95,7 +100,8 @@ class ZeroOptimizer(OptimizerProxy):
                  fp8_reduce_scatter: bool = False,
                  fp8_params: Optional[Iterable[torch.Tensor]] = None, tp_group=None,
                  tp_replicated: Optional[Iterable[torch.Tensor]] = None, pp_group=None,
-                 pp_counted_elsewhere: Optional[Iterable[torch.Tensor]] = None) -> None:
+                 pp_counted_elsewhere: Optional[Iterable[torch.Tensor]] = None,
+                 fused_master_step: bool = False) -> None:
         self.validate(optimizer)
         if isinstance(stage, bool) or stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
@@ -144,6 +150,8 @@ class ZeroOptimizer(OptimizerProxy):
         fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
         self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
                                 for p in self.params]
+        self._fused = fused_master_step and self._fused_step_applies()
+        self._grad_mul = 1.0  # the clipping coefficient, applied inside the fused step
         self._sync = True
         self._unsynced_grads = False
         self._prepared = False
@@ -225,6 +233,7 @@ class ZeroOptimizer(OptimizerProxy):
                 else:
                     p.grad.detach_().zero_()
         self._grad_shards = [None] * len(self.params)
+        self._grad_mul = 1.0
         self._prepared = self._found_inf = False
         self._unsynced_grads = False
 
@@ -238,7 +247,9 @@ class ZeroOptimizer(OptimizerProxy):
             return torch.tensor(float("inf"))
         total = self._global_norm(norm_type)
         coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
+        if coef < 1.0 and self._fused:  # BF16 gradients: scale in FP32 inside the step
+            self._grad_mul = coef
+        elif coef < 1.0:
             for g in self._grad_shards:
                 if g is not None:
                     g.mul_(coef)
@@ -256,6 +267,12 @@ class ZeroOptimizer(OptimizerProxy):
             return
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
+        if self._fused:
+            from .fused_step import fused_adamw_step
+            fused_adamw_step(self.optim, self.masters, self._grad_shards, self.params,
+                             self._grad_mul)
+            self.zero_grad()
+            return
         for m, g in zip(self.masters, self._grad_shards):
             m.grad = None if g is None else g.to(device=m.device, dtype=m.dtype)
         self.optim.step()
@@ -267,6 +284,19 @@ class ZeroOptimizer(OptimizerProxy):
         self.zero_grad()
 
     # ---------------------------------------------------------------------------- internals
+    def _fused_step_applies(self) -> bool:
+        from .fused_step import unsupported_reason
+
+        why = unsupported_reason(self.optim) or (
+            "the state is sharded over ranks" if self.world > 1 else
+            "master_weights=False" if not self.master_weights else
+            "cpu_offload=True" if self.cpu_offload else
+            "FP16 loss scaling" if self.loss_scaler is not None else None)
+        if why is not None:
+            _state.warn_once(f"fused-master-step-{why}", "fp8boost: fused_master_step=True does "
+                             f"not apply ({why}); using the default master-weight step")
+        return why is None
+
     def _make_master(self, p: torch.Tensor, s: ParamShard) -> torch.Tensor:
         dtype = torch.float32 if self.master_weights else p.dtype
         device = torch.device("cpu") if self.cpu_offload else p.device
@@ -298,8 +328,9 @@ class ZeroOptimizer(OptimizerProxy):
             self._reducer.flush()  # no-op after optimizer.backward(); needed after loss.backward()
         if self.world == 1 or self.stage == 1:
             for i, (p, s) in enumerate(zip(self.params, self.shards)):
-                if p.grad is not None:
-                    self._grad_shards[i] = self._chunk_of(p.grad, s)
+                if p.grad is not None:  # the fused step reads the BF16 gradient itself
+                    self._grad_shards[i] = (p.grad.detach().reshape(-1) if self._fused
+                                            else self._chunk_of(p.grad, s))
         grads = [g for g in self._grad_shards if g is not None]
         if self.loss_scaler is not None:
             inv = 1.0 / self.loss_scaler.scale
@@ -339,8 +370,10 @@ class ZeroOptimizer(OptimizerProxy):
         local = torch.zeros((), dtype=torch.float32, device=self._comm_device())
         inf = norm_type == math.inf
         if pairs:
-            local = (torch.stack([g.abs().max() for g, _ in pairs]).max() if inf else
-                     torch.stack([g.norm(norm_type) ** norm_type * w for g, w in pairs]).sum())
+            # In FP32 also for BF16 gradients (the fused step's): a BF16 norm would round.
+            local = (torch.stack([g.abs().max().float() for g, _ in pairs]).max() if inf else
+                     torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                                  ** norm_type * w for g, w in pairs]).sum())
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if self.world > 1:
             dist.all_reduce(local, op=op, group=self.dp_group)
