@@ -125,7 +125,8 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, masters: Sequence[torch.T
             state = _state(optimizer, group, master)
             step = _next_step(master, state)
             p, n = params[i], params[i].numel()  # a master may be padded past n
-            if not _use_kernel(master):
+            # The kernel indexes flat memory: a strided parameter or gradient takes torch ops.
+            if not (_use_kernel(master) and p.is_contiguous() and g.is_contiguous()):
                 _torch_update(g, master[:n], state["exp_avg"][:n], state["exp_avg_sq"][:n], lr,
                               beta1, beta2, eps, wd, step, grad_mul)
                 p.copy_(master[:n].view_as(p))  # copy_ bumps the version counter
