@@ -163,6 +163,7 @@ class Fp8Conv1D(Fp8Linear):
             new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=dev)
             new.fp8_scale = torch.ones_like(new.fp8_scale, device=dev)
         new.train(conv.training)
+        new._resolve_backend_early()
         return new
 
     def _prequantized_ok(self, w: torch.Tensor) -> bool:
@@ -278,29 +279,9 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
         return Fp8Conv1D.from_conv1d(mod, config) if conv1d else Fp8Linear.from_linear(mod, config)
 
     _swap(model, make)
-    _resolve_gpu_backends(model)
     if not report.converted and not report.already_fp8:
         _warn_nothing_converted(report, config)
     return report
-
-
-def _resolve_gpu_backends(model: nn.Module) -> None:
-    """Pick each FP8 layer's backend now when its weight is already on a GPU.
-
-    Resolved lazily in a compiled layer's first forward, the choice is a side effect that
-    dynamo guards on (the layer's ``_fp8_backend`` and the backend cache), so the second
-    forward recompiles every layer (on an H100 Llama the compiled FP8 model showed 3 graphs
-    and ~6 s of extra warm-up where BF16 has 1; this was one cause). Other layers stay lazy
-    (the model may move to a GPU later, and the "auto" choice depends on the device), except
-    under the device-independent emulated backend.
-    """
-    for mod in model.modules():
-        weight = getattr(mod, "weight", None)
-        if not (isinstance(mod, Fp8Linear) and isinstance(weight, torch.Tensor)):
-            continue
-        if weight.device.type == "cuda" or (mod.fp8_config.backend == "emulated"
-                                            and weight.device.type != "meta"):
-            mod._resolve_backend(weight.device)
 
 
 def _warn_nothing_converted(report: ConversionReport, config: Fp8Config) -> None:

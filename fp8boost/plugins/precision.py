@@ -85,6 +85,11 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: str, m
     if optimizer is None:
         return None
     if precision == "fp32":
+        if fused_master_step:  # never silently: the flag asked for something that cannot run
+            from fp8boost import _state
+            _state.warn_once("fused-master-step-fp32",
+                             "fp8boost: fused_master_step=True does not apply (precision fp32 "
+                             "keeps no master weights); using the plain optimizer step")
         return OptimizerWrapper(optimizer, max_norm=max_norm)
     return ZeroOptimizer(optimizer, dp_group=None, max_norm=max_norm,
                          loss_scaler=make_loss_scaler(precision, initial_scale, growth_interval),

@@ -239,10 +239,11 @@ def test_compiled_layers_reading_one_tensor_share_one_cast():
 
 
 def test_compiled_fp8_layers_compile_once_over_training_steps():
-    """convert_to_fp8 picks the backend up front (GPU weights, or the emulated backend), so a
-    compiled layer's first forward mutates nothing that dynamo guards on: one graph for three
-    training steps. Resolved lazily inside the first compiled forward, the backend choice made
-    the second step recompile (2 graphs here; on an H100 Llama, one cause of 3 graphs)."""
+    """An Fp8Linear picks its backend up front where the weight's device decides it (built
+    or converted with a GPU weight, moved there, or the emulated backend), so a compiled
+    layer's first forward mutates nothing that dynamo guards on: one graph for three training
+    steps. Resolved lazily inside the first compiled forward, the backend choice made the
+    second step recompile (2 graphs here; on an H100 Llama, one cause of 3 graphs)."""
     from torch._dynamo.utils import counters
 
     from fp8boost.fp8 import convert_to_fp8
@@ -257,6 +258,11 @@ def test_compiled_fp8_layers_compile_once_over_training_steps():
             setattr(block, name, nn.Linear(old.in_features, old.out_features, bias=False))
     convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0))
     assert all(getattr(b, n)._fp8_backend is not None for b in model for n in ("q", "k", "v"))
+    # Built on the meta device (nothing to decide yet), then materialized: .to_empty() resolves.
+    with torch.device("meta"):
+        late = Fp8Linear(48, 48, bias=False, config=Fp8Config(backend="emulated"))
+    assert late._fp8_backend is None
+    assert late.to_empty(device="cpu")._fp8_backend is not None
     for block in model:
         block.compile()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

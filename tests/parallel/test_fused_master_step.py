@@ -86,6 +86,10 @@ def test_fused_step_falls_back_with_a_reason():
         warnings.simplefilter("always")
         _, opt = _train(True, steps=1, make_opt=lambda ps: torch.optim.AdamW(ps, amsgrad=True))
     assert not opt._fused and any("amsgrad=True" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(True, steps=1, precision="fp32")
+    assert any("does not apply (precision fp32" in str(w.message) for w in caught)
     with pytest.raises(TypeError, match="fused_master_step must be a bool"):
         MixedPrecision("bf16", fused_master_step="yes")
 
