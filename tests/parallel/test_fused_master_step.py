@@ -146,3 +146,14 @@ def test_kernel_matches_torch_arithmetic():
         ulp = ref_master[:n].abs().clamp_min(1e-30) * 2 ** -7
         assert ((param.float() - ref_master[:n]).abs() <= ulp).all()
     assert float(opt.state[master]["step"]) == 3.0
+    # A strided parameter cannot be indexed flat: torch ops update it, with a warning.
+    w = torch.randn(64, 32).to(torch.bfloat16).t()  # [32, 64], not contiguous
+    m2 = w.float().reshape(-1).clone()
+    opt2 = torch.optim.AdamW([m2], lr=1e-2)
+    g2 = torch.randn(w.numel()).to(torch.bfloat16)
+    ref = m2.clone()
+    with pytest.warns(UserWarning, match="non-contiguous parameter or gradient with torch ops"):
+        fused_step.fused_adamw_step(opt2, [m2], [g2], [w])
+    fused_step._torch_update(g2, ref, torch.zeros_like(ref), torch.zeros_like(ref), 1e-2, 0.9,
+                             0.999, 1e-8, 1e-2, 1.0, 1.0)
+    assert torch.equal(m2, ref) and torch.equal(w, ref.view(32, 64).to(torch.bfloat16))

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from fp8boost import _state
+
 _BLOCK = 2048
 # master -> (its state's step tensor, that step as a float): reading a step kept on the GPU
 # (AdamW(fused=True) keeps it there) would sync once per tensor and step. A new step tensor
@@ -76,7 +78,7 @@ def _use_kernel(master: torch.Tensor) -> bool:
     return master.is_cuda or interpreting()
 
 
-def _state(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor) -> dict:
+def _adam_state(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor) -> dict:
     """The parameter's AdamW state, created as torch creates it (checkpoints stay portable)."""
     state = optimizer.state[master]
     if not state:
@@ -122,11 +124,16 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, masters: Sequence[torch.T
             g = grads[i]
             if g is None:
                 continue
-            state = _state(optimizer, group, master)
+            state = _adam_state(optimizer, group, master)
             step = _next_step(master, state)
             p, n = params[i], params[i].numel()  # a master may be padded past n
-            # The kernel indexes flat memory: a strided parameter or gradient takes torch ops.
-            if not (_use_kernel(master) and p.is_contiguous() and g.is_contiguous()):
+            kernel = _use_kernel(master)
+            if kernel and not (p.is_contiguous() and g.is_contiguous()):
+                # The kernel indexes flat memory: a strided tensor takes torch ops (same result).
+                _state.warn_once("fused-step-strided", "fp8boost: fused_master_step updates a "
+                                 "non-contiguous parameter or gradient with torch ops (slower)")
+                kernel = False
+            if not kernel:
                 _torch_update(g, master[:n], state["exp_avg"][:n], state["exp_avg_sq"][:n], lr,
                               beta1, beta2, eps, wd, step, grad_mul)
                 p.copy_(master[:n].view_as(p))  # copy_ bumps the version counter
