@@ -124,7 +124,8 @@ def setup_booster(model, name: str, args, device):
         from fp8boost.booster.mixed_precision import MixedPrecision
         booster = Booster(mixed_precision=MixedPrecision(
             "fp8" if use_fp8 else "bf16", fp8_config=fp8_cfg,
-            fused_master_step=bool(getattr(args, "fused_master_step", False))), device=device)
+            fused_master_step={"fused": True, "two-pass": False}.get(
+                getattr(args, "master_step", None))), device=device)
     elif kind == "ddp":
         from fp8boost.plugins import TorchDDPPlugin
         booster = Booster(plugin=TorchDDPPlugin(use_fp8=use_fp8, fp8_communication=fp8_comm,

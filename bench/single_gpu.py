@@ -24,8 +24,9 @@ Modes (bench/train.py config + flags)::
     torchao_fsdp2_compiled (torchtitan's setup at world size 1: cross-checks the torchao
     row), fsdp2_bf16_compiled; ablations: fp8_compiled_kernelcasts (the Triton cast kernel
     as an opaque op under compile: Fp8Config(compiled_casts="kernel")), fp8_eager_noshare
-    (Fp8Config(share_input_casts=False)), bf16_compiled_fusedstep / fp8_compiled_fusedstep
-    (MixedPrecision(fused_master_step=True): the one-kernel master-weight AdamW step)
+    (Fp8Config(share_input_casts=False)), bf16/torchao/fp8_compiled_twopass
+    (MixedPrecision(fused_master_step=False): the two-pass master-weight step, the default
+    before the one-kernel AdamW step; every other single_* mode takes the library default)
 
 A compiled cell counts only when dynamo captured graphs with no graph break: no graph is
 ``not_compiled``, breaks are flagged ``!<n>br`` in the table (``compile_ok: false``).
@@ -89,9 +90,11 @@ MODES: dict[str, tuple[str, list[str]]] = {
     "fp8_compiled_kernelcasts": ("single_fp8", _ALL + ["--compile", "--fp8-options",
                                                        "compiled_casts=kernel"]),
     "fp8_eager_noshare": ("single_fp8", _ALL + ["--fp8-options", "share_input_casts=False"]),
-    # The one-kernel master-weight AdamW step (MixedPrecision(fused_master_step=True)).
-    "bf16_compiled_fusedstep": ("single_bf16", ["--compile", "--fused-master-step"]),
-    "fp8_compiled_fusedstep": ("single_fp8", _ALL + ["--compile", "--fused-master-step"]),
+    # The two-pass master-weight step (BF16 grad -> FP32 copy, AdamW, master -> BF16 copy),
+    # the library default before the fused one (MixedPrecision(fused_master_step=False)).
+    "bf16_compiled_twopass": ("single_bf16", ["--compile", "--master-step", "two-pass"]),
+    "torchao_compiled_twopass": ("single_torchao", ["--compile", "--master-step", "two-pass"]),
+    "fp8_compiled_twopass": ("single_fp8", _ALL + ["--compile", "--master-step", "two-pass"]),
 }
 DEFAULT_MODES = list(MODES)[:6]
 

@@ -128,8 +128,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="torch.compile each decoder layer (all configs)")
     p.add_argument("--fused-adamw", action="store_true",
                    help="AdamW(fused=True) on CUDA (default off: earlier results used foreach)")
-    p.add_argument("--fused-master-step", action="store_true",
-                   help="single_* configs: MixedPrecision(fused_master_step=True) (experimental)")
+    p.add_argument("--master-step", default=None, choices=("fused", "two-pass"),
+                   help="single_* configs: MixedPrecision.fused_master_step True / False "
+                        "(default: the library's, fused wherever it applies)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="CUDA: profile this many extra steps; kernel ms/step by category")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -289,6 +290,7 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         extra["kernels"] = _profile.kernel_breakdown(step, args.profile_steps, device)
         if rank == 0:
             print(_profile.format_breakdown(name, extra["kernels"]), flush=True)
+    extra["fused_master_step"] = bool(getattr(optimizer, "_fused", False))
     return dict(extra, first_step_s=times[0] if first_step is None else first_step,
                 warmup_s=warmup_s,
                 median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
@@ -535,8 +537,8 @@ def child_argv_for(args: argparse.Namespace, config: str, output: str,
 def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
     return child_argv_for(args, config, output,
                           ("bucket_m", "fp8_min_numel", "fp8_options", "profile_steps", "layers",
-                           "hidden", "ffn", "heads", "kv_heads"),
-                          ("compile", "fused_adamw", "fused_master_step"))
+                           "hidden", "ffn", "heads", "kv_heads", "master_step"),
+                          ("compile", "fused_adamw"))
 
 
 def run_isolated(args: argparse.Namespace) -> dict[str, Any]:

@@ -80,12 +80,14 @@ def make_loss_scaler(precision: str, initial_scale: float, growth_interval: int)
 
 def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: str, max_norm: float,
                    initial_scale: float = 2.0 ** 16, growth_interval: int = 1000,
-                   fused_master_step: bool = False):
-    """Single-replica optimizer wrapper: FP32 master weights unless training in FP32."""
+                   fused_master_step: Optional[bool] = None):
+    """Single-replica optimizer wrapper: FP32 master weights unless training in FP32.
+
+    ``fused_master_step``: see ``MixedPrecision.fused_master_step`` (None: where it applies)."""
     if optimizer is None:
         return None
     if precision == "fp32":
-        if fused_master_step:  # never silently: the flag asked for something that cannot run
+        if fused_master_step:  # asked for explicitly: say why it cannot run
             from fp8boost import _state
             _state.warn_once("fused-master-step-fp32",
                              "fp8boost: fused_master_step=True does not apply (precision fp32 "

@@ -39,7 +39,7 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert args.shapes == ["1b", "7b-4l", "8b-4l"] and "tiny" not in args.shapes
     assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
                           "fp8_eager_all", "fp8_compiled_all"]
-    assert len(sg.parse_args(["--modes", "all"]).modes) == 14  # 6 default + 4 optional + 4 ablations
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 15  # 6 default + 4 optional + 5 ablations
     with pytest.raises(ValueError, match="unknown shape"):
         sg.parse_args(["--shapes", "1b,70b"])
     with pytest.raises(ValueError, match="unknown mode"):
@@ -61,6 +61,12 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     child = sg.train._child_argv(sg.train.parse_args(["--heads", "32", "--kv-heads", "8",
                                                       "--fused-adamw"]), "single_bf16", "o.json")
     assert child[child.index("--kv-heads") + 1] == "8" and "--fused-adamw" in child
+    # The two-pass master step is an explicit choice that reaches the child; default: library's.
+    targs = sg.train.parse_args(sg.cell_argv(args, "7b-4l", "fp8_compiled_twopass", "x.json")[2:])
+    assert targs.master_step == "two-pass" and targs.fp8_min_numel == 0
+    child = sg.train._child_argv(targs, "single_fp8", "o.json")
+    assert child[child.index("--master-step") + 1] == "two-pass"
+    assert sg.train.parse_args(argv[2:]).master_step is None
 
     assert sg.main(["--dry-run", "--output", "unused.json"]) == 0
     out = capsys.readouterr().out

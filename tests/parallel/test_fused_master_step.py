@@ -22,19 +22,20 @@ from fp8boost.parallel.zero import ZeroOptimizer
 _CHILD = os.environ.get("FP8BOOST_FUSED_STEP_INTERP_CHILD") == "1"
 
 
-def _train(fused: bool, steps: int = 4, max_norm: float = 0.0, make_opt=None, precision="bf16"):
+def _train(fused, steps: int = 4, max_norm: float = 0.0, make_opt=None, precision="bf16",
+           device: str = "cpu"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 8))
+    model = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 8)).to(device)
     model[2].weight.requires_grad_(True)
     params = list(model.parameters())
     opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=3e-2, weight_decay=0.1)))(params)
     booster = Booster(mixed_precision=MixedPrecision(precision, max_norm=max_norm,
                                                      fused_master_step=fused),
-                      device="cpu")
+                      device=device)
     model, opt, *_ = booster.boost(model, opt)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
-        x = torch.randn(16, 24, generator=gen)
+        x = torch.randn(16, 24, generator=gen).to(device)
         loss = model(x).float().pow(2).mean() * (50.0 if step == 1 else 1.0)  # step 1 clips
         booster.backward(loss, opt)
         opt.step()
@@ -90,8 +91,24 @@ def test_fused_step_falls_back_with_a_reason():
         warnings.simplefilter("always")
         _train(True, steps=1, precision="fp32")
     assert any("does not apply (precision fp32" in str(w.message) for w in caught)
-    with pytest.raises(TypeError, match="fused_master_step must be a bool"):
+    with pytest.raises(TypeError, match="fused_master_step must be None, True or False"):
         MixedPrecision("bf16", fused_master_step="yes")
+
+
+def test_default_fuses_where_it_applies_and_falls_back_without_a_word():
+    """MixedPrecision's default (None): AdamW takes the fused step, SGD and fp32 the usual one,
+    with no warning (nobody asked for the fused step); False keeps the two-pass step."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, adamw = _train(None, steps=1)
+        _, sgd = _train(None, steps=1, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        _train(None, steps=1, precision="fp32")
+        _, off = _train(False, steps=1)
+    assert adamw._fused and not sgd._fused and not off._fused
+    assert not [w for w in caught if "fused_master_step" in str(w.message)], \
+        [str(w.message) for w in caught]
+    assert ZeroOptimizer(torch.optim.AdamW(nn.Linear(4, 4).to(torch.bfloat16).parameters())
+                         )._fused is False  # direct ZeroOptimizer use keeps its old default
 
 
 def test_zero_optimizer_fused_step_needs_one_rank_and_masters():
@@ -157,3 +174,27 @@ def test_kernel_matches_torch_arithmetic():
     fused_step._torch_update(g2, ref, torch.zeros_like(ref), torch.zeros_like(ref), 1e-2, 0.9,
                              0.999, 1e-8, 1e-2, 1.0, 1.0)
     assert torch.equal(m2, ref) and torch.equal(w, ref.view(32, 64).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_step_kernel_on_cuda_matches_torch_fused_adamw():
+    """On the GPU the Triton kernel against torch's fused AdamW (the bench's optimizer), with a
+    clipped step: FP32 masters and moments to FP32 rounding noise, parameters to one BF16 ulp."""
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=3e-2, weight_decay=0.1, fused=True)
+
+    ref_model, ref_opt = _train(False, steps=5, max_norm=0.5, make_opt=adamw, device="cuda")
+    model, opt = _train(True, steps=5, max_norm=0.5, make_opt=adamw, device="cuda")
+    assert opt._fused and not ref_opt._fused
+    for m, r in zip(opt.masters, ref_opt.masters):
+        torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-6)
+        s, t = opt.optim.state[m], ref_opt.optim.state[r]
+        assert s["step"].device == t["step"].device and float(s["step"]) == float(t["step"]) == 5
+        torch.testing.assert_close(s["exp_avg"], t["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(s["exp_avg_sq"], t["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert p.dtype == torch.bfloat16
+        ulp = q.float().abs().clamp_min(1e-30) * 2 ** -7
+        assert ((p.float() - q.float()).abs() <= ulp).all()
+        assert not torch.equal(p, torch.zeros_like(p))

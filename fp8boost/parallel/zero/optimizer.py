@@ -81,8 +81,9 @@ class ZeroOptimizer(OptimizerProxy):
         fused_master_step: one rank with FP32 masters and AdamW: update each master from its
             BF16 gradient and write the BF16 parameter in one kernel
             (:mod:`~fp8boost.parallel.zero.fused_step`), instead of copying the gradient to
-            FP32 and the master back. Where it cannot apply, a one-time warning says why and
-            the default step runs.
+            FP32 and the master back. True: where it cannot apply, a one-time warning says why
+            and the two-pass step runs; None: the same choice without the warning (the
+            ``Booster`` default); False: always the two-pass step.
 
     Example:
         >>> import torch
@@ -101,7 +102,7 @@ class ZeroOptimizer(OptimizerProxy):
                  fp8_params: Optional[Iterable[torch.Tensor]] = None, tp_group=None,
                  tp_replicated: Optional[Iterable[torch.Tensor]] = None, pp_group=None,
                  pp_counted_elsewhere: Optional[Iterable[torch.Tensor]] = None,
-                 fused_master_step: bool = False) -> None:
+                 fused_master_step: Optional[bool] = False) -> None:
         self.validate(optimizer)
         if isinstance(stage, bool) or stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
@@ -150,7 +151,8 @@ class ZeroOptimizer(OptimizerProxy):
         fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
         self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
                                 for p in self.params]
-        self._fused = fused_master_step and self._fused_step_applies()
+        self._fused = fused_master_step is not False and self._fused_step_applies(
+            warn=fused_master_step is True)
         self._grad_mul = 1.0  # the clipping coefficient, applied inside the fused step
         self._sync = True
         self._unsynced_grads = False
@@ -284,7 +286,7 @@ class ZeroOptimizer(OptimizerProxy):
         self.zero_grad()
 
     # ---------------------------------------------------------------------------- internals
-    def _fused_step_applies(self) -> bool:
+    def _fused_step_applies(self, warn: bool) -> bool:
         from .fused_step import unsupported_reason
 
         why = unsupported_reason(self.optim) or (
@@ -292,7 +294,7 @@ class ZeroOptimizer(OptimizerProxy):
             "master_weights=False" if not self.master_weights else
             "cpu_offload=True" if self.cpu_offload else
             "FP16 loss scaling" if self.loss_scaler is not None else None)
-        if why is not None:
+        if why is not None and warn:
             _state.warn_once(f"fused-master-step-{why}", "fp8boost: fused_master_step=True does "
                              f"not apply ({why}); using the default master-weight step")
         return why is None
