@@ -74,9 +74,11 @@ def test_bf16_master_weights_match_fp32_training():
         assert torch.equal(p, w.to(torch.bfloat16))
 
 
-def test_clip_grad_norm_matches_torch():
+@pytest.mark.parametrize("fused", [None, False], ids=["fused_step", "two_pass_step"])
+def test_clip_grad_norm_matches_torch(fused):
     torch.manual_seed(0)
-    booster, model, opt = _boost("bf16")
+    booster, model, opt = _boost(MixedPrecision("bf16", fused_master_step=fused))
+    assert opt._fused is (fused is None)  # AdamW: the default takes the fused master step
     ref = H.make_mlp()
     x, y = H.global_batch(1)
     booster.backward(F.mse_loss(model(x).float(), y), opt)
@@ -85,8 +87,18 @@ def test_clip_grad_norm_matches_torch():
     expected = torch.cat([p.grad.float().reshape(-1) for p in ref.parameters()]).norm()
     total = booster.clip_grad_norm_(model, opt, 0.1)
     assert abs(float(total) - float(expected)) <= 1e-5 * float(expected)
-    clipped = torch.cat([g.reshape(-1) for g in opt._grad_shards])
-    assert abs(clipped.norm().item() - 0.1) < 1e-4
+    assert float(expected) > 0.2  # the clip really scales
+
+    def clipped_norm() -> float:  # the gradients the step will use (the fused one scales late)
+        return (torch.cat([g.float().reshape(-1) for g in opt._grad_shards]).norm()
+                * opt._grad_mul).item()
+    assert abs(clipped_norm() - 0.1) < 1e-4
+    # A second, looser clip sees the clipped gradients: it returns their norm and changes nothing.
+    again = booster.clip_grad_norm_(model, opt, 1.0)
+    assert abs(float(again) - 0.1) < 1e-4 and abs(clipped_norm() - 0.1) < 1e-4
+    # A tighter one scales further.
+    booster.clip_grad_norm_(model, opt, 0.05)
+    assert abs(clipped_norm() - 0.05) < 1e-4
 
 
 def test_fp16_overflow_skips_step_and_backs_off():

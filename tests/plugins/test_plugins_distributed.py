@@ -114,6 +114,21 @@ def _check_parity(table):
 
 
 # ----------------------------------------------------------------------------- 2 ranks
+def _ddp_adamw_takes_the_fused_master_step(rank, world):
+    """TorchDDPPlugin steps each full replica on one rank's view (world 1 for the optimizer
+    wrapper), so AdamW takes the fused master step by default; ZeRO-2 shards the masters and
+    keeps the two-pass step. The two must train the same weights."""
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    init = list(H.make_mlp().parameters())
+    _, w_ddp, (_, _, opt_ddp) = _run(_plugin("ddp", "bf16", False), rank, world, optim=adamw)
+    _, w_zero, (_, _, opt_zero) = _run(_plugin("zero2", "bf16", False), rank, world, optim=adamw)
+    assert opt_ddp._fused and not opt_zero._fused
+    err = H.rel_update_error(w_ddp, w_zero, init)
+    assert err <= TOL["bf16"][1], f"DDP fused step vs ZeRO-2 two-pass step: {err:.2e}"
+
+
 def _no_sync_equals_big_batch(rank, world):
     """k micro-batches (first under no_sync) == one batch of k times the size."""
     for name in ("ddp", "zero1", "zero2"):
@@ -290,6 +305,7 @@ def _two_rank_suite(rank, world, ckpt_dir):
                                         ("zero2", "bf16", False, {"cpu_offload": True}),
                                         ("zero1", "fp16", False, {}), ("ddp", "fp16", False, {})])
     _no_sync_equals_big_batch(rank, world)
+    _ddp_adamw_takes_the_fused_master_step(rank, world)
     _buckets_overlap_backward(rank, world)
     memory = _memory_is_sharded(rank, world)
     _without_master_weights(rank, world)

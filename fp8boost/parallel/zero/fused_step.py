@@ -1,10 +1,11 @@
 """AdamW on FP32 master weights in one pass: BF16 gradient in, BF16 parameter out.
 
-The default master-weight step copies each BF16 gradient into an FP32 tensor, runs the wrapped
+The two-pass master-weight step copies each BF16 gradient into an FP32 tensor, runs the wrapped
 optimizer on the FP32 masters, then copies every master back into its BF16 parameter: 40 bytes
 moved per parameter. On one H100 those two copies took 7.5 ms of an 84.6 ms Llama step
 (BENCHMARKS.md 4f). This step reads the BF16 gradient and writes the BF16 parameter in the
-update itself: 28 bytes per parameter, one Triton kernel per tensor on CUDA.
+update itself: 28 bytes per parameter, one Triton kernel per tensor on CUDA. Measured on the
+H100: a compiled 7B-shaped step 1.08x (BF16) and 1.09x (FP8) faster, the same losses.
 
 Only for a single rank (the master is the whole parameter), ``torch.optim.AdamW`` or ``Adam``
 without coupled weight decay, and no amsgrad / maximize / capturable / differentiable. The

@@ -247,10 +247,13 @@ class ZeroOptimizer(OptimizerProxy):
         self._prepare_grads()
         if self._found_inf:
             return torch.tensor(float("inf"))
-        total = self._global_norm(norm_type)
+        # The fused step keeps the coefficient aside (its BF16 gradients are scaled in FP32
+        # inside the update), so the gradients to measure are the raw ones times it: a second
+        # call then sees what the first one left, as with the scaled FP32 copies.
+        total = self._global_norm(norm_type) * self._grad_mul
         coef = max_norm / (total + 1e-6)
-        if coef < 1.0 and self._fused:  # BF16 gradients: scale in FP32 inside the step
-            self._grad_mul = coef
+        if coef < 1.0 and self._fused:
+            self._grad_mul *= coef
         elif coef < 1.0:
             for g in self._grad_shards:
                 if g is not None:
