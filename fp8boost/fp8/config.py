@@ -111,7 +111,8 @@ class Fp8Config:
     model (4096x4096 and 4096x11008 layers) ran 1.17x faster. Re-measured on an H100
     (bench/results/single_gpu_h100_1b*_2026-11-23.json): every layer of the 1B model in FP8 is
     0.90-1.02x BF16 in eager (1.08x on an H200), but 1.10-1.14x BF16 under torch.compile
-    (1.19x on an H200), so pass 0 when compiling a small model. Set 0 to convert every eligible layer (also to test FP8 numerics)."""
+    (1.19x on an H200), so pass 0 when compiling a small model. Set 0 to convert every
+    eligible layer (also to test FP8 numerics)."""
 
     def __post_init__(self) -> None:
         if self.recipe in NAMED_RECIPES and self.recipe not in RECIPES:

@@ -1,12 +1,13 @@
 """The fused master-weight AdamW step (fp8boost/parallel/zero/fused_step.py), on CPU.
 
-Oracle: the default master-weight step (BF16 gradient copied to FP32, torch's AdamW on the FP32
+Oracle: the two-pass master-weight step (BF16 gradient copied to FP32, torch's AdamW on the FP32
 masters, masters copied back). On the CPU the fused path runs torch's single-tensor AdamW
 arithmetic op for op, so the two must agree bit for bit; the Triton kernel is checked in the
 interpreter against that arithmetic.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -95,10 +96,13 @@ def test_fused_step_falls_back_with_a_reason():
         MixedPrecision("bf16", fused_master_step="yes")
 
 
-def test_default_fuses_where_it_applies_and_falls_back_without_a_word():
+def test_default_fuses_where_it_applies_and_falls_back_without_a_warning(caplog):
     """MixedPrecision's default (None): AdamW takes the fused step, SGD and fp32 the usual one,
-    with no warning (nobody asked for the fused step); False keeps the two-pass step."""
-    with warnings.catch_warnings(record=True) as caught:
+    with no warning (nobody asked for the fused step), the reason logged once at INFO; False
+    keeps the two-pass step."""
+    from fp8boost import _state
+    _state.forget_logged("fused-master-step-auto-SGD is not torch.optim.AdamW or Adam")
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
         _, adamw = _train(None, steps=1)
         _, sgd = _train(None, steps=1, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -107,6 +111,7 @@ def test_default_fuses_where_it_applies_and_falls_back_without_a_word():
     assert adamw._fused and not sgd._fused and not off._fused
     assert not [w for w in caught if "fused_master_step" in str(w.message)], \
         [str(w.message) for w in caught]
+    assert "fused master step does not apply (SGD is not torch.optim.AdamW" in caplog.text
     assert ZeroOptimizer(torch.optim.AdamW(nn.Linear(4, 4).to(torch.bfloat16).parameters())
                          )._fused is False  # direct ZeroOptimizer use keeps its old default
 

@@ -299,7 +299,12 @@ class ZeroOptimizer(OptimizerProxy):
             "FP16 loss scaling" if self.loss_scaler is not None else None)
         if why is not None and warn:
             _state.warn_once(f"fused-master-step-{why}", "fp8boost: fused_master_step=True does "
-                             f"not apply ({why}); using the default master-weight step")
+                             f"not apply ({why}); using the two-pass master-weight step")
+        elif why is not None:  # the default asked for nothing: say it, but only at INFO
+            _state.log_once(logging.getLogger("fp8boost.parallel.zero"),
+                            f"fused-master-step-auto-{why}", "fp8boost: the fused master step "
+                            f"does not apply ({why}); using the two-pass master-weight step",
+                            level=logging.INFO)
         return why is None
 
     def _make_master(self, p: torch.Tensor, s: ParamShard) -> torch.Tensor:
