@@ -108,14 +108,42 @@ def _torch_update(g: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
     master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
 
 
-@torch.no_grad()
 def fused_adamw_step(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
                      grads: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor],
                      grad_mul: float = 1.0) -> None:
     """One AdamW step: ``masters[i]`` (FP32, flat) from ``grads[i]`` (flat, any float dtype),
     then ``params[i]`` (the working parameter, written in its dtype). ``grad_mul`` scales every
     gradient first (the clipping coefficient). The optimizer's param groups hold ``masters``.
+
+    The update runs inside ``optimizer.step()``, as its closure, so everything torch hangs on
+    that call happens as for a plain step: an lr scheduler built on ``optimizer`` sees that the
+    optimizer stepped (else torch warns "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()`"), the user's step pre/post hooks and global hooks fire once, and the
+    profiler records ``Optimizer.step#AdamW.step``. AdamW's own update then finds no master with
+    a ``.grad`` and does nothing (any ``.grad`` is set aside for the call, so nothing is stepped
+    twice).
     """
+    def update() -> None:
+        _fused_update(optimizer, masters, grads, params, grad_mul)
+
+    set_aside = []
+    for group in optimizer.param_groups:
+        for master in group["params"]:
+            if master.grad is not None:
+                set_aside.append((master, master.grad))
+                master.grad = None
+    try:
+        optimizer.step(update)
+    finally:
+        for master, grad in set_aside:
+            master.grad = grad
+
+
+@torch.no_grad()
+def _fused_update(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
+                  grads: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor],
+                  grad_mul: float) -> None:
+    """The update itself (see :func:`fused_adamw_step`), outside any ``optimizer.step()``."""
     index = {id(m): i for i, m in enumerate(masters)}
     for group in optimizer.param_groups:
         lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
