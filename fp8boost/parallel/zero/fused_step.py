@@ -126,7 +126,7 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, masters: Sequence[torch.T
     def update() -> None:
         _fused_update(optimizer, masters, grads, params, grad_mul)
 
-    set_aside = []
+    set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
     for group in optimizer.param_groups:
         for master in group["params"]:
             if master.grad is not None:
