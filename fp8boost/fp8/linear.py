@@ -35,6 +35,7 @@ from . import shared_cast
 from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import Fp8Config
+from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, dequantize_weight, fp8_weight_operand,
                            fp8_weight_transpose, transpose_fp8)
 from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
@@ -77,8 +78,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.need_wgrad, ctx.need_dgrad = need_wgrad, need_dgrad
         ctx.direct = direct
         # dgrad's W^T is re-cast in backward from the Parameter (kept anyway) with the forward's
-        # amax: the same bytes, without holding N*K FP8 bytes from forward to backward.
-        ctx.recast = recompute and wq.data_t is None
+        # amax: the same bytes, without holding N*K FP8 bytes from forward to backward. Decided
+        # by the recipe alone, never by the cache's state: activation checkpointing re-runs this
+        # forward in backward and requires the same saved tensors (shapes, dtypes) both times,
+        # while a cached cast may exist in one run and not the other. Backward takes the cached
+        # transpose when one is still valid (same bytes: same weight, same amax).
+        ctx.recast = recompute and wq.amax is not None
         w_amax = wq.amax
         if ctx.recast and _compiling():
             # dynamo refuses to save a tensor that aliases another output of the traced forward
@@ -105,8 +110,12 @@ class _Fp8LinearFn(torch.autograd.Function):
                 # backward; amax + 0 is the same amax, so the same scale and bytes.
                 d0 = dy.reshape(-1)[:1].float().nan_to_num(0.0, 0.0, 0.0)
                 w_inv = w_inv + (d0 * 0.0).reshape(())
-            wq = layer._recast_weight_t(wq_t, w_inv)
-            wq_t, w_inv = wq.data, wq.inv_scale
+            cached = None if _compiling() else layer._cached_weight_t()
+            if cached is not None:
+                wq_t, w_inv = cached.data_t, cached.inv_scale
+            else:
+                wq = layer._recast_weight_t(wq_t, w_inv)
+                wq_t, w_inv = wq.data, wq.inv_scale
         backend, cfg = layer._fp8_backend, layer.fp8_config
         dy = dy.contiguous()
         dyq = layer._quantize("grad", dy, cfg.grad_dtype, with_transpose=ctx.need_wgrad)
@@ -151,6 +160,7 @@ class Fp8Linear(nn.Linear):
         self.amax_reduce_fn = None
         self._amax_groups: dict[str, object] = {}
         self._delayed: dict[str, DelayedScalingState] = {}
+        self._replay_log = DelayedReplayLog()
         if config.recipe == "delayed":
             # Buffers, so the history moves with .to() and is saved in state_dict (exact resume).
             dev = self.weight.device if self.weight.device.type != "meta" else None
@@ -246,10 +256,11 @@ class Fp8Linear(nn.Linear):
         return backend.quantize
 
     def _quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype,
-                  with_transpose: bool) -> Fp8Tensor:
+                  with_transpose: bool, replay_scale: Optional[torch.Tensor] = None) -> Fp8Tensor:
         """Every FP8 cast of this layer (tests spy on it). With current scaling the result's
         ``.amax`` is the amax its scale came from (``scale_from_amax`` of it is the very scale,
-        bit for bit); delayed scaling leaves it None."""
+        bit for bit); delayed scaling leaves it None. ``replay_scale`` (delayed scaling,
+        recomputation): the scale a forward used, to cast with again without recording."""
         cfg, cast = self.fp8_config, self._cast_fn()
         if not self._delayed:
             group = self._amax_groups.get(role)
@@ -265,10 +276,20 @@ class Fp8Linear(nn.Linear):
             return q
         i = _ROLES.index(role)
         state = self._delayed[role].bind(self.fp8_amax_history[i], self.fp8_scale[i])
+        if replay_scale is not None or (role == "input" and recomputing()):
+            # Activation checkpointing: cast with the scale the forward used (the history has
+            # moved on since), and record nothing: the forward did.
+            scale = replay_scale if replay_scale is not None else self._replay_log.replay(role)
+            if scale is not None:
+                q, _ = cast(x, dtype, scale=scale, with_transpose=with_transpose)
+                return q
         if not state.initialized:
             state.seed(state.reduce(amax(x)))
-        q, a = cast(x, dtype, scale=state.scale.clone(), with_transpose=with_transpose)
+        scale = state.scale.clone()
+        q, a = cast(x, dtype, scale=scale, with_transpose=with_transpose)
         state.record(state.reduce(a))
+        if role != "grad":
+            self._replay_log.remember(role, scale)
         return q
 
     def _input_fp8(self, x2d: torch.Tensor, with_transpose: bool) -> Fp8Tensor:
@@ -408,18 +429,30 @@ class Fp8Linear(nn.Linear):
                              f"fp8boost: Fp8Linear casts its weight itself instead of using the "
                              f"prequantized FP8 weight: {why}")
             self._pre_w = None
+        if self._delayed and recomputing():  # repeat what the forward cast with (or used)
+            item = self._replay_log.replay("weight")
+            if isinstance(item, Fp8Tensor):
+                return item
+            if item is not None:
+                return self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
+                                      with_transpose=with_transpose or recompute,
+                                      replay_scale=item)
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
         keep = False
         if use_cache:
-            key = (w.data_ptr(), w._version, _state.step_epoch(), w.dtype, w.device,
-                   self._fp8_backend.name)
+            key = self._weight_cache_key()
             if self._w_cache is not None and self._w_cache[0] == key:
                 if self._w_cache[1] is not None:
+                    if self._delayed:
+                        self._replay_log.remember("weight", self._w_cache[1])
                     return self._w_cache[1]  # cached casts always carry the transpose
-                # The second forward of this weight (micro-batches, recomputation): from now on
-                # the cast pays for the memory it pins. After only one forward per step it
-                # would not: the row-major copy would live, unused, until the next step.
-                keep = True
+                # The second forward of this weight (micro-batches, gradient accumulation): from
+                # now on the cast pays for the memory it pins. After only one forward per step
+                # it would not: the row-major copy would live, unused, until the next step. An
+                # activation-checkpointing recomputation is no second forward: its backward
+                # follows at once, and keeping the cast would pin every layer's FP8 weight
+                # until the optimizer step.
+                keep = not recomputing()
         # Always emit the transpose when caching: the next backward will want it.
         wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
                             with_transpose=with_transpose or keep)
@@ -428,10 +461,26 @@ class Fp8Linear(nn.Linear):
             wq = Fp8Tensor(wq.data, wq.inv_scale, transpose_fp8(wq.data))
         return wq
 
+    def _weight_cache_key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, _state.step_epoch(), w.dtype, w.device,
+                self._fp8_backend.name)
+
+    def _cached_weight_t(self) -> Optional[Fp8Tensor]:
+        """The cached weight cast (with its transpose) if it is still valid, else None."""
+        entry = self._w_cache
+        if entry is None or entry[1] is None or isinstance(self.weight, Fp8WeightTensor):
+            return None
+        return entry[1] if entry[0] == self._weight_cache_key() else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear expected last dim {self.in_features}, got {tuple(x.shape)}")
         self._resolve_backend(x.device)
+        # Grad mode is off inside the autograd function: whether a backward (and so perhaps a
+        # recomputation) follows this forward is read here.
+        if not _compiling():
+            self._replay_log.active = torch.is_grad_enabled()
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
@@ -452,7 +501,3 @@ class Fp8Linear(nn.Linear):
         c = self.fp8_config
         return (f"{super().extra_repr()}, recipe={c.recipe}, format={c.fp8_format}, "
                 f"backend={c.backend}")
-
-
-def _compiling() -> bool:
-    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
