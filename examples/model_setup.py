@@ -103,20 +103,19 @@ def build_model(args: argparse.Namespace, vocab_size: int, max_pos: int,
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks: children of the first ``nn.ModuleList`` (HF: ``model.layers``,
-    GPT-2: ``transformer.h``)."""
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
-            return list(mod)
-    return []
+    """The repeated blocks (HF: ``model.layers``, GPT-2: ``transformer.h``)."""
+    from fp8boost.hf_model import find_blocks
+
+    return find_blocks(model)
 
 
 def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> int:
     """``--activation-checkpointing`` and ``--compile``, before boost; returns blocks compiled.
 
-    ``Module.compile`` compiles in place (parameter names and the module tree stay, so plugins,
-    FP8 conversion and checkpoints see the same model) and lazily: the FP8 layers the plugin
-    swaps in during ``boost`` are what gets traced at the first step.
+    ``fp8boost.compile.compile_blocks`` compiles each block in place (parameter names and the
+    module tree stay, so plugins, FP8 conversion and checkpoints see the same model) and lazily:
+    the FP8 layers the plugin swaps in during ``boost`` are what gets traced at the first step.
+    It also turns the KV cache off and makes a block that would fall back to eager raise.
     """
     if args.activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
@@ -130,13 +129,12 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> int:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if not args.compile:
         return 0
-    blocks = decoder_blocks(model)
-    if not blocks:
-        raise ValueError("--compile compiles each decoder block, but the model has no "
-                         "nn.ModuleList of blocks")
-    for block in blocks:
-        block.compile(backend=args.compile_backend)
-    return len(blocks)
+    from fp8boost.compile import compile_blocks
+
+    try:
+        return compile_blocks(model, backend=args.compile_backend)
+    except ValueError as e:
+        raise ValueError(f"--compile: {e}") from None
 
 
 def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int,

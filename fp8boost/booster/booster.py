@@ -76,11 +76,18 @@ class Booster:
               criterion=None, dataloader=None, lr_scheduler=None) -> tuple:
         """Wrap everything for training; returns the same five objects, boosted, in order.
 
-        The returned model casts floating inputs to the training dtype; the returned optimizer
+        The model's HF configs get ``use_cache=False`` (training builds no KV cache). The
+        returned model casts floating inputs to the training dtype; the returned optimizer
         must be used for ``backward``/``step`` (``booster.backward(loss, optimizer)``); the
         dataloader reads this rank's share of the data; the lr scheduler is returned unchanged
         (it keeps driving the wrapped optimizer's learning rates).
         """
+        from fp8boost.hf_model import disable_kv_cache
+
+        # Training never builds a KV cache (memory; under torch.compile, per-block cache guards
+        # that push blocks past dynamo's recompile limit into eager), whatever the config says.
+        if isinstance(model, nn.Module):
+            disable_kv_cache(model)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler,
                                         device=self.device)
         opt = boosted[1]

@@ -5,7 +5,7 @@ FP8 conversion → FP8 all-gather weights → ``fully_shard`` per block → ``fu
 (meta models) allocate only the local shards and initialise them.
 
 Example:
-    >>> from fp8boost.parallel.fsdp.wiring import find_blocks
+    >>> from fp8boost.hf_model import find_blocks
     >>> import torch
     >>> blocks = find_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])))
     >>> len(blocks)
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.hf_model import find_blocks
 
 logger = logging.getLogger("fp8boost.parallel.fsdp")
 
@@ -29,15 +30,6 @@ logger = logging.getLogger("fp8boost.parallel.fsdp")
 _FP8_HISTORY = ("fp8_amax_history", "fp8_scale")
 _META_HELP = ("build the model under accelerate's init_empty_weights() (it keeps buffers real) "
               "instead of torch.device('meta')")
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: the children of the first ``nn.ModuleList``
-    (HF decoders: ``model.model.layers``); empty when the model has none."""
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            return list(mod)
-    return []
 
 
 def fully_shard_fn():
