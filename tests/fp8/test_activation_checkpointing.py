@@ -43,7 +43,8 @@ def _fp8_model(recipe: str = "tensorwise"):
     return model
 
 
-def _train(model, steps: int = 2, micro: int = 2, ckpt=None) -> tuple[list, list]:
+def _train(model, steps: int = 2, micro: int = 2, ckpt=None,
+           device: str = "cpu") -> tuple[list, list]:
     """AdamW steps with ``micro`` accumulated micro-batches; ``ckpt(layer, hidden, **kw)``
     replaces each decoder layer's call when given. Returns the losses and final weights."""
     if ckpt is not None:
@@ -53,13 +54,13 @@ def _train(model, steps: int = 2, micro: int = 2, ckpt=None) -> tuple[list, list
     losses = []
     for s in range(steps):
         for m in range(micro):
-            ids = _batch(s, m)
+            ids = _batch(s, m).to(device)
             loss = model(input_ids=ids, labels=ids).loss / micro
             loss.backward()
             losses.append(loss.detach().float())
         opt.step()
         opt.zero_grad()
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+    return torch.stack(losses).cpu(), [p.detach().clone() for p in model.parameters()]
 
 
 def _same(a, b) -> None:
@@ -158,3 +159,38 @@ def test_compiled_blocks_with_checkpointing_match_uncheckpointed():
     ref = _train(compiled(copy.deepcopy(base)), steps=1)
     got = _train(compiled(_hf_switch(copy.deepcopy(base), reentrant=False)), steps=1)
     _same(got, ref)
+
+
+def _cuda_model(layers: int = 2):
+    """A Llama with 256-wide layers on the GPU, every linear FP8 through the default (Triton)
+    backend."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=layers,
+                                   vocab_size=VOCAB, max_position_embeddings=64, use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7].mul_(50.0)
+    report = convert_to_fp8(model, Fp8Config(min_numel=0))
+    assert len(report.converted) == 7 * layers
+    return model
+
+
+
+@pytest.mark.gpu
+def test_gpu_checkpointing_bit_identical_eager_and_compiled():
+    """The Triton casts and GEMMs: HF's switch and selective AC change no bit, eager and with
+    every block compiled by inductor (fp8boost.compile.compile_blocks)."""
+    from fp8boost.compile import compile_blocks
+
+    base = _cuda_model()
+    ref = _train(copy.deepcopy(base), device="cuda")
+    _same(_train(_hf_switch(copy.deepcopy(base), reentrant=False), device="cuda"), ref)
+    _same(_train(copy.deepcopy(base), ckpt=_sac, device="cuda"), ref)
+    torch._dynamo.reset()
+    plain, ckpt = copy.deepcopy(base), _hf_switch(copy.deepcopy(base), reentrant=False)
+    compile_blocks(plain)
+    compile_blocks(ckpt)
+    _same(_train(ckpt, device="cuda"), _train(plain, device="cuda"))
