@@ -25,6 +25,10 @@ the stream (``data_position``); a resume that changes any of those is warned abo
 ``--resume auto`` takes :func:`complete_checkpoints` newest first (the library's
 ``latest_checkpoint`` rule: ``*.partial`` and hidden temp folders are skipped) and falls back
 to the next one when a checkpoint fails verification.
+
+``--keep-last N`` (:func:`prune_checkpoints`, rank 0, after a save completed on every rank)
+keeps the newest N complete checkpoints and deletes older ones, but never the checkpoint the
+run resumed from, nor an incomplete ``*.partial`` folder.
 """
 from __future__ import annotations
 
@@ -151,6 +155,36 @@ def latest_complete(save_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of ``save_dir``, or None."""
     found = complete_checkpoints(save_dir)
     return found[0] if found else None
+
+
+def prune_checkpoints(save_dir: str | os.PathLike, keep_last: int,
+                      protect: str | os.PathLike | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints of ``save_dir``.
+
+    Call it on rank 0 only, and only after a save completed (so the newest one is the one just
+    written). ``keep_last`` 0 keeps everything. ``protect`` (the checkpoint this run resumed
+    from) is never deleted, nor is anything :func:`complete_checkpoints` does not list
+    (``*.partial`` folders of a save in progress or one that died, hidden temp folders).
+
+    Each victim is first renamed to a hidden folder (atomic) and then removed: a run killed
+    mid-delete leaves no half-deleted folder that ``--resume auto`` would take for complete.
+
+    Returns:
+        The checkpoint folders deleted, oldest last.
+    """
+    if keep_last <= 0:
+        return []
+    keep = Path(protect).resolve() if protect is not None else None
+    removed = []
+    for ckpt in complete_checkpoints(save_dir)[keep_last:]:
+        if keep is not None and ckpt.resolve() == keep:
+            continue
+        doomed = ckpt.with_name(f".{ckpt.name}.deleting")
+        shutil.rmtree(doomed, ignore_errors=True)  # left by a run killed mid-delete
+        os.replace(ckpt, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(ckpt)
+    return removed
 
 
 def warn_if_stream_changed(state: dict[str, Any], now: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ on a 2-core CPU in about a minute::
     # survive a crashed rank: torchrun restarts the job, which resumes from its newest
     # complete checkpoint (bit-exact on CPU/gloo)
     torchrun --nproc_per_node=2 --max-restarts 3 examples/train_llama.py --plugin zero2 \\
-        --out-dir runs/a --save-every 50 --resume auto
+        --out-dir runs/a --save-every 50 --keep-last 3 --resume auto
 
 Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``summary.json``,
 ``run_config.json`` and ``loss.png`` (when matplotlib is installed). ``--plugin none`` uses
@@ -44,9 +44,10 @@ import datetime
 import math
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path and (_HERE.parent / "fp8boost").is_dir():
@@ -76,12 +77,69 @@ RANK0_WARNINGS = (r"fp8boost: FP8 tensor cores unavailable", r"fp8boost: no line
 SHARDED_PLUGINS = ("gemini", "fsdp")  # FSDP2: a --model-path model is loaded shard by shard
 PRECISIONS = ("bf16", "fp16", "fp32")
 PRETRAINED_DEFAULTS = dict(seq_len=512, batch_size=4, lr=1e-4, steps=1000)
+PROG = "train_llama.py"
+# Under torchrun a rank other than 0 waits this long before printing an argument error: rank 0
+# fails alike and prints at once, and torchrun ends the other ranks when it exits, so the job
+# shows the message once. A rank still alive after this has an error of its own: it prints it.
+PEER_ERROR_GRACE_S = 10.0
+
+
+class UsageError(ValueError):
+    """A bad command line (a flag's value or a combination): one line, exit status 2."""
+
+
+def report_usage_error(message: str) -> None:
+    """Print ``<prog>: error: <cause>; <fix>`` to stderr, once for the whole job.
+
+    Plain python and torchrun's rank 0 print at once. Any other rank first waits
+    ``PEER_ERROR_GRACE_S`` (torchrun ends it when rank 0, failing alike, exits) and prints,
+    naming its rank, only if it is still running: then the error was its own.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"{PROG}: error: "
+    if rank != 0:
+        time.sleep(PEER_ERROR_GRACE_S)
+        prefix = f"{PROG}: rank {rank}: error: "
+    print(prefix + message, file=sys.stderr, flush=True)
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the fix (no 25-line usage block), printed
+    once per job (:func:`report_usage_error`), exit status 2 as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        report_usage_error(f"{message}; see {self.prog} --help for every option")
+        sys.exit(2)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default once, as ``(default: X)`` after its help, except where the help
+    already says what the default is, where the default is None (computed later: the help says
+    how) and for on/off switches (off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action.default, bool) or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _from_preset(key: str) -> str:
+    """Help for a default the preset fills: each preset's value and the --model-path one."""
+    values = ", ".join(f"{name} {d[key]:g}" for name, d in presets.TRAIN_DEFAULTS.items())
+    return (f"(default: from --preset: {values}; {PRETRAINED_DEFAULTS[key]:g} with "
+            "--model-path)")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Command-line options; ``None`` defaults are filled from the preset."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """Command-line options; ``None`` defaults are filled from the preset.
+
+    A bad flag prints one line and exits with status 2 (``SystemExit``), see
+    :class:`_ArgumentParser`.
+    """
+    p = _ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                        formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", default="tiny", choices=list(presets.PRESETS),
                    help="model size (hidden, layers, heads, FFN) for --model")
@@ -96,11 +154,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--data", default=None, help="UTF-8 text file (default: shipped sample)")
     g.add_argument("--val-fraction", type=float, default=0.05,
                    help="last fraction of the text held out for validation")
-    g.add_argument("--seq-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per training sequence {_from_preset('seq_len')}")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the weight init and of the batch order")
     g = p.add_argument_group("parallelism and precision")
-    g.add_argument("--plugin", default="none", choices=PLUGINS)
-    g.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    g.add_argument("--plugin", default="none", choices=PLUGINS,
+                   help="none: one process, Booster(mixed_precision=...); ddp: TorchDDPPlugin; "
+                        "zero1/zero2: LowLevelZeroPlugin; gemini: ZeRO-3 on FSDP2; fsdp: "
+                        "TorchFSDPPlugin; hybrid: HybridParallelPlugin (--tp, --sp, --pp)")
+    g.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="training dtype; bf16 and fp16 keep FP32 master weights (fp16 adds "
+                        "loss scaling); --use-fp8 adds FP8 GEMMs on top of bf16")
     g.add_argument("--use-fp8", action="store_true", help="run linear-layer GEMMs in FP8")
     g.add_argument("--fp8-comm", action="store_true", help="FP8 gradient/parameter communication")
     g.add_argument("--fp8-recipe", default="tensorwise",
@@ -109,7 +174,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--fp8-min-numel", type=int, default=None,
                    help="linear layers with fewer weight elements stay BF16 (default: the library's "
                         "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda:LOCAL_RANK when a GPU is visible, else cpu")
     hybrid.add_arguments(g)  # --tp --sp --zero --pp --pp-style --microbatches
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder block (its first steps pay the compile)")
@@ -119,27 +185,38 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="recompute each decoder block in backward: less memory, ~1/3 more "
                         "compute")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps in total")
+    g.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps in total {_from_preset('steps')}")
     g.add_argument("--batch-size", type=int, default=None,
-                   help="micro-batch size per rank (hybrid: per model replica)")
+                   help="micro-batch size per rank (hybrid: per model replica) "
+                        f"{_from_preset('batch_size')}")
     g.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (--pp > 1: joined into one step batch "
                         "that the pipeline splits into --microbatches)")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    g.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (cosine schedule) {_from_preset('lr')}")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
-    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear lr warm-up steps (default: 5%% of --steps)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--max-norm", type=float, default=1.0, help="grad-norm clip; 0 disables")
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--out-dir", default=None, help="default: runs/<timestamp>")
+    g.add_argument("--out-dir", default=None,
+                   help="folder of metrics.jsonl, summary.json and checkpoints (default: "
+                        "runs/<timestamp>)")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validation interval (default: --steps/10, or only at the end below "
                    "100 steps); 0: at the end only")
-    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--eval-batches", type=int, default=8,
+                   help="validation batches per evaluation")
     g.add_argument("--log-every", type=int, default=20, help="plain-print interval (no tqdm)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint interval; 0: never")
-    g.add_argument("--save-dir", default=None, help="default: <out-dir>/checkpoints")
+    g.add_argument("--save-dir", default=None, help="checkpoint folder (default: <out-dir>/checkpoints)")
+    g.add_argument("--keep-last", type=int, default=0, metavar="N",
+                   help="keep the newest N complete checkpoints: after each save has "
+                        "completed, older ones are deleted (by rank 0), never the one this run "
+                        "resumed from nor an unfinished *.partial; 0 keeps every checkpoint")
     g.add_argument("--resume", default=None,
                    help="checkpoint folder, a save dir (its latest), or 'auto': the newest "
                         "complete checkpoint in --save-dir (default <out-dir>/checkpoints) if "
@@ -181,19 +258,27 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 "--log-every": args.log_every}
     for flag, value in positive.items():
         if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise ValueError(f"{flag} must be >= 1, got {value}; pass {flag} 1 or more")
     nonneg = {"--warmup-steps": args.warmup_steps, "--max-norm": args.max_norm,
               "--save-every": args.save_every, "--eval-every": args.eval_every,
               "--weight-decay": args.weight_decay}
     for flag, value in nonneg.items():
         if value < 0:
-            raise ValueError(f"{flag} must be >= 0, got {value}")
+            raise ValueError(f"{flag} must be >= 0, got {value}; pass {flag} 0 or more")
+    if args.keep_last < 0:
+        raise ValueError(f"--keep-last must be >= 0, got {args.keep_last}; 0 keeps every "
+                         "checkpoint, N the newest N")
+    if args.keep_last and not args.save_every:
+        raise ValueError(f"--keep-last {args.keep_last} keeps checkpoints, but none is saved; "
+                         "add --save-every N")
     if args.seq_len < 2:
-        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
+        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}; pass --seq-len 2 or "
+                         "more")
     if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+        raise ValueError(f"--lr must be > 0, got {args.lr}; pass a positive --lr, e.g. 3e-4")
     if not 0.0 <= args.min_lr_ratio <= 1.0:
-        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}; pass a "
+                         "fraction of the peak lr")
     if args.plugin == "none" and world_size > 1:
         raise ValueError(f"--plugin none trains in one process but WORLD_SIZE={world_size}; "
                          "use --plugin ddp, zero1, zero2, gemini, fsdp or hybrid under torchrun")
@@ -205,12 +290,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
     if args.data is not None and not Path(args.data).is_file():
-        raise ValueError(f"--data {args.data!r} is not a file")
+        raise ValueError(f"--data {args.data!r} is not a file; pass a UTF-8 text file, or "
+                         "leave --data out for the shipped sample")
     if args.data is not None and args.tokenizer is None and not args.model_path:
         # Byte-level tokenizer: one token per byte, so the size is known before any work.
         data_lib.check_length(Path(args.data).stat().st_size, args.seq_len, args.data)
     if args.max_bad_steps < 1:
-        raise ValueError(f"--max-bad-steps must be >= 1, got {args.max_bad_steps}")
+        raise ValueError(f"--max-bad-steps must be >= 1, got {args.max_bad_steps}; pass 1 or "
+                         "more (--no-nonfinite-guard turns the guard off)")
     if args.simulate_crash is not None:
         faults.parse_crash(args.simulate_crash, world_size)
     if args.tensorboard:
@@ -527,6 +614,7 @@ def restore(args: argparse.Namespace, booster, model, optimizer, lr_scheduler, r
         if rank == 0:
             print(f"[train] resumed from {ckpt} (step {state['step']})", flush=True)
             checkpointing.warn_if_stream_changed(state, data_position(args))
+        state["resumed_from"] = str(ckpt)  # --keep-last never deletes it
         return state
     return None
 
@@ -553,9 +641,17 @@ def finished_already(args: argparse.Namespace, rank: int) -> bool:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the whole training; returns the summary (rank 0's view; empty on other ranks)."""
-    rank, world_size, device = rank_and_device(args.device)
-    validate_args(args, world_size)
+    """Run the whole training; returns the summary (rank 0's view; empty on other ranks).
+
+    Raises:
+        UsageError: a bad flag (from :func:`validate_args` or the device check), before any
+            work or collective; ``main`` prints it as one line.
+    """
+    try:
+        rank, world_size, device = rank_and_device(args.device)
+        validate_args(args, world_size)
+    except (ValueError, TypeError) as exc:  # the flag checks' own errors, nothing later
+        raise UsageError(str(exc)) from exc
     if rank != 0:
         for message in RANK0_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
@@ -610,6 +706,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if rank == 0:  # printed even with --no-progress: a user must know it exists
                 announce(logger, f"[train] step {step}: saved checkpoint {saved} "
                                  f"(resume with --resume {save_dir})")
+                # After the save completed on every rank (save_checkpoint's last barrier).
+                resumed = run.resume_state.get("resumed_from") if run.resume_state else None
+                removed = checkpointing.prune_checkpoints(save_dir, args.keep_last, resumed)
+                if removed:
+                    announce(logger, f"[train] --keep-last {args.keep_last}: deleted "
+                                     f"{', '.join(p.name for p in removed)}")
     if run.val_windows is not None and (not args.eval_every or args.steps % args.eval_every):
         val_loss = evaluate(run, args, world_size, device)
         logger.eval(args.steps, val_loss)
@@ -618,12 +720,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point: ``python examples/train_llama.py [options]``."""
-    args = parse_args(argv)
+    """Entry point: ``python examples/train_llama.py [options]``.
+
+    Returns 0, or 2 after a bad flag (printed as one line, no traceback: the traceback would
+    only show where the check lives). Any other error propagates with its traceback.
+    """
+    args = parse_args(argv)  # argparse's errors: one line and SystemExit(2) already
     ok = False
     try:
         train(args)
         ok = True
+    except UsageError as exc:
+        report_usage_error(str(exc))
+        return 2
     finally:
         if dist.is_initialized():
             if ok:

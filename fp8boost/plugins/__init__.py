@@ -1,8 +1,9 @@
 """Training strategies for the Booster: one file per plugin.
 
 ``TorchDDPPlugin`` (DDP), ``LowLevelZeroPlugin`` (ZeRO-1/2), ``GeminiPlugin`` (ZeRO-3 on
-FSDP2), ``TorchFSDPPlugin`` (plain FSDP2), ``HybridParallelPlugin`` (tensor/sequence parallel x
-ZeRO; pipeline parallelism is not implemented yet).
+FSDP2), ``TorchFSDPPlugin`` (plain FSDP2), ``HybridParallelPlugin`` (pipeline x tensor/sequence
+parallel x ZeRO; with ``pp_size > 1`` a step is one ``booster.execute_pipeline`` call, with
+1F1B, interleaved or zero-bubble V schedules).
 """
 from .gemini_plugin import GeminiPlugin
 from .hybrid_parallel_plugin import HybridParallelPlugin
