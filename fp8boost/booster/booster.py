@@ -118,8 +118,22 @@ class Booster:
         Takes the next batch (a dict of model inputs) from ``data_iter``, runs its micro-batches
         through the pipeline schedule, and, when ``optimizer`` is given and grad mode is on,
         leaves the gradients ready for ``optimizer.step()``. Under ``torch.no_grad()`` (or with
-        ``optimizer=None``) it only runs forward (evaluation). ``criterion(outputs, inputs)``
-        returns a micro-batch's loss (default: the HF causal-LM loss on ``inputs["labels"]``).
+        ``optimizer=None``) it only runs forward (evaluation).
+
+        ``criterion(outputs, inputs)`` runs on the last stage once per micro-batch and returns
+        its loss as a scalar tensor (anything else raises ``TypeError``). ``outputs`` is the
+        model's own HF output for the micro-batch (e.g. ``CausalLMOutputWithPast``), as
+        ``model(**inputs)`` returns it on the non-pipeline plugins: ``outputs.loss`` (also
+        ``outputs["loss"]``, ``outputs[0]``) is the model's causal-LM loss when ``inputs`` has
+        ``labels`` (without, ``outputs[0]`` is the logits, as in HF), ``outputs.logits`` the
+        logits; ``inputs`` is the micro-batch's dict. So
+        ``criterion=lambda o, i: o.loss`` or ``lambda o, i: o[0]`` equal the default (None:
+        ``outputs.loss``, needs ``labels``). With ``tp_size > 1``, ``outputs.logits`` is this
+        rank's vocabulary slice (as on the non-pipeline plugin) while ``outputs.loss`` is the
+        full-vocabulary loss: a criterion computing its own loss from the logits must be
+        vocabulary-parallel (``fp8boost.parallel.tp.vocab_parallel_cross_entropy``). Any
+        criterion is scaled like the default: the gradient is that of the mean over
+        micro-batches of its loss.
 
         Returns:
             ``{"loss": mean loss over micro-batches (every rank of the pipeline gets the last

@@ -31,6 +31,7 @@ from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRu
                                         build_stage_modules, check_pipeline_model,
                                         check_pipeline_options, make_layout, strip_to_rank,
                                         tied_embedding)
+from fp8boost.parallel.pipeline.split import CausalLMOutputs
 
 from .wrappers import ModelWrapper
 
@@ -198,7 +199,10 @@ def build_runner(model: nn.Module, state: PipelineState, opts: PipelineOptions, 
     mods = build_stage_modules(model, lay, state.rank, state.boundaries, act_dtype,
                                tp_size if sequence_parallel else 1)
     vocab = model.config.vocab_size // tp_size
+    # The criterion gets the model's own HF output; built after the tp split, whose
+    # vocabulary-parallel loss_function it then uses.
     state.runner = PipelineRunner(mods, lay, state.group, device, vocab_local=vocab,
+                                  make_outputs=CausalLMOutputs(model),
                                   num_microbatches=opts.num_microbatches,
                                   microbatch_size=opts.microbatch_size)
     return state.runner
@@ -213,15 +217,17 @@ class PipelineModel(ModelWrapper):
                            "instead of model(...)")
 
 
-def hf_causal_lm_criterion(model: nn.Module):
-    """``criterion(outputs, inputs)``: the model's own causal-LM loss on ``inputs["labels"]``."""
-    def criterion(outputs, inputs: dict) -> torch.Tensor:
-        if inputs.get("labels") is None:
-            raise ValueError("the default criterion needs inputs['labels'] (the HF causal-LM "
-                             "loss); pass labels in the batch or a criterion(outputs, inputs)")
-        return model.loss_function(outputs.logits, inputs["labels"],
-                                   vocab_size=model.config.vocab_size)
-    return criterion
+def hf_causal_lm_criterion(outputs, inputs: dict) -> torch.Tensor:
+    """The default criterion: ``outputs.loss``, the model's own causal-LM loss on
+    ``inputs["labels"]`` (vocabulary-parallel under tp), computed by ``CausalLMOutputs``.
+
+    Raises:
+        ValueError: the micro-batch has no ``labels`` (then ``outputs.loss`` is None).
+    """
+    if inputs.get("labels") is None:
+        raise ValueError("the default criterion needs inputs['labels'] (the HF causal-LM "
+                         "loss); pass labels in the batch or a criterion(outputs, inputs)")
+    return outputs.loss
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -243,7 +249,7 @@ def execute_pipeline(plugin, state: PipelineState, data_iter, model, criterion, 
     batch = _to_device(batch, state.runner.device)
     backward = optimizer is not None and torch.is_grad_enabled()
     if criterion is None:
-        criterion = hf_causal_lm_criterion(plugin.unwrap_model(model))
+        criterion = hf_causal_lm_criterion
     scaler = getattr(optimizer, "loss_scaler", None) if backward else None
     ctx = optimizer.no_sync() if backward else contextlib.nullcontext()
     with ctx:

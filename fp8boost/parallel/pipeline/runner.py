@@ -11,10 +11,17 @@ Gradients: the schedules sum micro-batch gradients; the runner divides every loc
 gradient by the micro-batch count once (``scale_grads=False`` in torch: its per-stage scaling
 would divide a weight shared by two local stages twice, e.g. tied embeddings in a V), so a
 criterion that averages over its micro-batch gives the gradient of the batch mean.
+
+Criterion: on the last stage, per micro-batch, ``criterion(outputs, inputs)`` gets the HF
+output ``make_outputs(logits, inputs)`` builds (``split.CausalLMOutputs``: ``loss`` with labels,
+``logits``) and the micro-batch's dict of inputs, and must return that micro-batch's scalar
+loss (:func:`check_criterion_loss`). Every criterion is scaled alike: its loss times the FP16
+loss scale is what backward starts from, and the gradients are divided by the micro-batch
+count as above.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +29,7 @@ import torch.distributed as dist
 from .layout import PipelineLayout
 from .split import DecoderStage
 
-__all__ = ["PipelineRunner", "microbatch_count"]
+__all__ = ["PipelineRunner", "check_criterion_loss", "microbatch_count"]
 
 
 def microbatch_count(batch_size: int, num_microbatches: Optional[int],
@@ -39,14 +46,24 @@ def microbatch_count(batch_size: int, num_microbatches: Optional[int],
     return batch_size // microbatch_size
 
 
-class _CausalLMOutput(dict):
-    """What a criterion gets as ``outputs``: ``outputs.logits`` / ``outputs["logits"]``."""
+def check_criterion_loss(value: Any) -> torch.Tensor:
+    """The criterion's return value as a 0-dim loss tensor; ``TypeError`` if it is not one.
 
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    Accepted: a floating-point tensor of one element (a ``[1]``-shaped loss is viewed as 0-dim,
+    as ``backward`` would accept it). The usual mistake is returning the whole output, a tuple
+    or per-token losses: the schedule would fail later with an error naming none of them.
+
+    Raises:
+        TypeError: naming what was returned and what to return instead.
+    """
+    if torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point():
+        return value if value.dim() == 0 else value.reshape(())
+    got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if torch.is_tensor(value)
+           else f"a {type(value).__name__}")
+    raise TypeError(f"execute_pipeline: criterion(outputs, inputs) must return the micro-batch's "
+                    f"loss as a scalar floating-point tensor, got {got}; return outputs.loss "
+                    f"(or outputs[0], outputs['loss']: the model's HF loss when the batch has "
+                    f"'labels'), or reduce your own per-token losses with .mean()")
 
 
 class PipelineRunner:
@@ -58,15 +75,19 @@ class PipelineRunner:
         group: the pipeline process group (ranks of one replica's stages, in stage order).
         device: where the stages run.
         vocab_local: logits width on the last stage (vocabulary / tp).
+        make_outputs: ``make_outputs(logits, inputs)`` -> what the criterion gets as
+            ``outputs`` for a micro-batch (``split.CausalLMOutputs``: the model's HF output).
         num_microbatches, microbatch_size: one of them (the other None).
     """
 
     def __init__(self, modules: list[DecoderStage], layout: PipelineLayout, group,
                  device: torch.device, *, vocab_local: int,
+                 make_outputs: Callable[[torch.Tensor, dict], Any],
                  num_microbatches: Optional[int] = None,
                  microbatch_size: Optional[int] = None) -> None:
         self.modules, self.layout, self.group = modules, layout, group
         self.device, self.vocab_local = torch.device(device), vocab_local
+        self.make_outputs = make_outputs
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.rank = dist.get_rank(group)
         self.has_first = modules[0].index == 0
@@ -129,7 +150,7 @@ class PipelineRunner:
         # of the batch, so the criterion sees the micro-batch's own dict of inputs.
         inputs = {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == size else v
                   for k, v in batch.items()}
-        loss = call["criterion"](_CausalLMOutput(logits=output), inputs)
+        loss = check_criterion_loss(call["criterion"](self.make_outputs(output, inputs), inputs))
         call["losses"].append(loss.detach().float())
         return loss * call["loss_scale"] if call["loss_scale"] != 1.0 else loss
 

@@ -12,6 +12,11 @@ embeddings, so the split is done by hand, in two steps:
 2. After FP8 conversion and the tensor-parallel split, :func:`build_stage_modules` wraps the
    kept parts in one :class:`DecoderStage` per stage (they reference the model's modules).
 
+The last stage returns logits (a tensor: that is what the pipeline schedules pass on);
+:class:`CausalLMOutputs` turns them, per micro-batch, into the output ``model(**batch)`` would
+have returned (the HF loss when the batch has ``labels``, and the logits), which is what the
+criterion of ``execute_pipeline`` receives.
+
 Example:
     >>> from fp8boost.parallel.pipeline import make_layout, strip_to_rank   # doctest: +SKIP
     >>> layout = make_layout(model.config.num_hidden_layers, pp=2)         # doctest: +SKIP
@@ -19,7 +24,10 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import inspect
+import typing
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -27,8 +35,11 @@ from torch import nn
 from .boundary import BoundaryPlan
 from .layout import PipelineLayout
 
-__all__ = ["DecoderStage", "TiedWeight", "check_pipeline_model", "strip_to_rank",
-           "build_stage_modules", "tied_embedding"]
+if TYPE_CHECKING:
+    from transformers.utils import ModelOutput
+
+__all__ = ["CausalLMOutputs", "DecoderStage", "TiedWeight", "check_pipeline_model",
+           "strip_to_rank", "build_stage_modules", "tied_embedding"]
 
 
 def check_pipeline_model(model: nn.Module) -> int:
@@ -170,3 +181,61 @@ def build_stage_modules(model: nn.Module, layout: PipelineLayout, rank: int,
     """One :class:`DecoderStage` per stage of ``rank`` (ascending stage index)."""
     return [DecoderStage(model, s, layout.num_stages, layout.layers[s], boundaries, act_dtype,
                          seq_shards) for s in layout.stages_of(rank)]
+
+
+def _output_class(model: nn.Module) -> type:
+    """The ``ModelOutput`` class ``model.forward`` is annotated to return, if it has ``loss``
+    and ``logits`` fields; else ``CausalLMOutputWithPast``, which is what every HF decoder LM
+    that :func:`check_pipeline_model` accepts (Llama, Mistral, Qwen2 ...) returns."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    ann = inspect.signature(type(model).forward).return_annotation
+    # transformers 4.x annotates ``Union[tuple, CausalLMOutputWithPast]``, 5.x the class alone
+    for cls in (ann, *typing.get_args(ann)):
+        if not (isinstance(cls, type) and issubclass(cls, ModelOutput)
+                and dataclasses.is_dataclass(cls)):
+            continue
+        if {"loss", "logits"} <= {f.name for f in dataclasses.fields(cls)}:
+            return cls
+    return CausalLMOutputWithPast
+
+
+class CausalLMOutputs:
+    """Builds the last stage's HF output for one micro-batch: ``outputs(logits, inputs)``.
+
+    Returns what the unsplit ``model(**inputs)`` returns (its own output class, e.g.
+    ``CausalLMOutputWithPast``): ``logits``, and when ``inputs`` has ``labels`` the ``loss``
+    of the model's own ``loss_function`` on them, called as HF's ``*ForCausalLM.forward``
+    calls it. So ``outputs.loss``, ``outputs["loss"]`` and ``outputs[0]`` are the loss (with
+    labels; ``outputs[0]`` is the logits without), ``outputs.logits`` / ``outputs["logits"]``
+    the logits.
+
+    Under tensor parallelism (with the built-in HF plan, or any plan that splits ``lm_head``)
+    the last stage's ``lm_head`` is vocabulary-parallel, exactly as on the non-pipeline
+    plugin: ``logits`` is this rank's vocabulary slice ``[mb, seq,
+    vocab / tp]`` (columns from ``tp_rank * vocab / tp`` on), never gathered, and
+    ``loss_function`` is then :class:`~fp8boost.parallel.tp.HfVocabParallelLoss`, so ``loss``
+    is the full-vocabulary loss, equal on every tp rank.
+
+    The loss is computed whenever labels are present, as HF's forward does, even when the
+    criterion then uses only the logits (one more cross-entropy per micro-batch; its autograd
+    graph is freed with the output).
+
+    Args:
+        model: the HF causal LM after the pipeline strip and the tensor-parallel split;
+            ``model.loss_function`` is read at every call, so a loss function set on the model
+            later is used.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.output_class = _output_class(model)
+
+    def __call__(self, logits: torch.Tensor, inputs: dict) -> ModelOutput:
+        labels = inputs.get("labels")
+        loss = None
+        if labels is not None:
+            loss = self.model.loss_function(logits=logits, labels=labels,
+                                            vocab_size=self.model.config.vocab_size)
+        return self.output_class(loss=loss, logits=logits)
