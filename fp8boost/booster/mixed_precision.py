@@ -18,7 +18,8 @@ from torch import nn
 
 from fp8boost.fp8.backends import warn_once
 from fp8boost.fp8.config import Fp8Config
-from fp8boost.plugins.plugin_base import Boosted, Plugin, check_boost_args, default_device
+from fp8boost.plugins.plugin_base import Boosted, Plugin, check_boost_args, default_device, \
+    shard_dataloader
 from fp8boost.plugins.precision import MIXED_PRECISIONS, check_fp8_config, check_max_norm, \
     check_precision, prepare_model, wrap_optimizer
 from fp8boost.plugins.wrappers import DTYPES, ModelWrapper
@@ -101,4 +102,7 @@ class LocalPlugin(Plugin):
         opt = wrap_optimizer(optimizer, precision, self.mp.max_norm,
                              fused_master_step=self.mp.fused_master_step)
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []
-        return wrapped, opt, criterion, dataloader, lr_scheduler
+        # One replica, with the plugins' sampler semantics (seeded, set_epoch; a loader with
+        # its own sampler is kept as built).
+        loader = shard_dataloader(dataloader, 1, 0)
+        return wrapped, opt, criterion, loader, lr_scheduler

@@ -168,6 +168,7 @@ class HybridParallelPlugin(Plugin):
         self.fp8_report = None
         self.tp_state = None
         self.pp_state = None
+        self.input_guard = None  # ReplicaInputGuard, set by boost when a replica spans ranks
         self.tp_within_node = True
 
     def _check_sp(self, enabled: bool, mode: Optional[str]) -> Optional[str]:
@@ -196,10 +197,12 @@ class HybridParallelPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None, device=None) -> Boosted:
         from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
+        from fp8boost.parallel.tp.input_guard import debug_every_step
 
         check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
         if optimizer is not None:
             ZeroOptimizer.validate(optimizer)
+        debug_inputs = debug_every_step()  # a bad value raises before any collective
         plan = resolve_plan(model, self.custom_policy) if self.tp_size > 1 else None
         if plan is not None:
             check_plan(model, plan, self.tp_size)  # before any collective
@@ -237,8 +240,24 @@ class HybridParallelPlugin(Plugin):
         wrapper = PipelineModel if self.pp_state is not None else ModelWrapper
         wrapped = wrapper(model, DTYPES[self.precision])
         wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        self.input_guard = self._make_input_guard(topo, device, debug_inputs)
+        if self.input_guard is not None and self.pp_state is None:
+            self.input_guard.attach(wrapped)  # pipelines check in execute_pipeline
         loader = shard_dataloader(dataloader, dims.dp, self.dp_rank)
         return wrapped, opt, criterion, loader, lr_scheduler
+
+    def _make_input_guard(self, topo, device: torch.device,
+                          every_step: bool) -> Optional["ReplicaInputGuard"]:
+        """A check that the tp/pp ranks of a replica are fed the same batch (None: one rank).
+
+        Cheap: one tiny all-gather per group at the first forward; at every forward with
+        ``FP8BOOST_DEBUG_TP_INPUTS=1`` (``fp8boost/parallel/tp/input_guard.py``).
+        """
+        from fp8boost.parallel.tp.input_guard import ReplicaInputGuard
+
+        if self.tp_size * self.pp_size == 1:
+            return None
+        return ReplicaInputGuard([topo.group("tp"), topo.group("pp")], device, every_step)
 
     def _check_tp_placement(self, dims) -> None:
         self.tp_within_node = tp_within_node(self.tp_size, dims.world_size)
@@ -285,6 +304,11 @@ class HybridParallelPlugin(Plugin):
         if self.pp_state is None:
             raise ValueError("execute_pipeline needs pp_size > 1 and a boosted model; with "
                              "pp_size=1 call model(...) and booster.backward(loss, optimizer)")
+        if self.input_guard is not None and self.input_guard.active:
+            # Every rank of the pipeline reads its own copy of the batch: compare them.
+            data_iter = data_iter if isinstance(data_iter, dict) else next(data_iter)
+            if isinstance(data_iter, dict):  # else execute_pipeline raises its own error
+                self.input_guard.check((), data_iter)
         return execute_pipeline(self, self.pp_state, data_iter, model, criterion, optimizer,
                                 return_loss, return_outputs)
 

@@ -6,8 +6,9 @@ A plugin decides, for one training run:
   (``use_fp8``), the engine wrapper (DDP, ZeRO hooks, ...), device placement;
 * **optimizer wrapping** - master weights, sharding of optimizer state, loss scaling,
   gradient clipping (``max_norm``), how gradients are reduced (and in which format);
-* **dataloader sharding** - each data-parallel rank sees its own part of the data
-  (``DistributedSampler``); ``prepare_dataloader`` builds one from a dataset;
+* **dataloader sharding** - each data-parallel rank sees its own part of the data and the
+  ranks of one replica the same part (a seeded ``DistributedSampler``, also with one
+  replica); ``prepare_dataloader`` builds one from a dataset;
 * **backward / no_sync** - how a loss is backpropagated and how gradient accumulation skips
   communication;
 * **checkpoint IO** - which process group coordinates a save, who writes, the unwrapped model
@@ -27,7 +28,8 @@ from typing import ContextManager, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, \
+    RandomSampler, SequentialSampler
 
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
@@ -143,16 +145,45 @@ def check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler) -> N
                                      "model; build it from model.parameters()")
 
 
+def _plain_sampler(dataloader: DataLoader) -> bool:
+    """True for the samplers ``DataLoader(shuffle=...)`` builds itself, on a map-style dataset
+    with ``batch_size`` batching: what ``shard_dataloader`` converts at any world size."""
+    sampler = dataloader.sampler
+    if type(sampler) is RandomSampler:  # _num_samples: None unless num_samples= was given
+        plain = not sampler.replacement and sampler._num_samples is None
+    else:
+        plain = type(sampler) is SequentialSampler
+    return (plain and dataloader.batch_size is not None
+            and not isinstance(dataloader.dataset, IterableDataset))
+
+
 def shard_dataloader(dataloader: Optional[DataLoader], world: int, rank: int,
                      seed: int = 1024) -> Optional[DataLoader]:
-    """Rebuild ``dataloader`` so that each of ``world`` ranks reads a disjoint part.
+    """Rebuild ``dataloader`` so that each of ``world`` data-parallel ranks reads a disjoint part.
 
-    The per-rank batch size stays the loader's ``batch_size`` (global batch = world x it);
-    a ``RandomSampler`` becomes ``DistributedSampler(shuffle=True, seed=seed)``: call
-    ``loader.sampler.set_epoch(epoch)`` each epoch.
+    Every world size, 1 included, gets the same semantics: the loader's sampler becomes a
+    ``DistributedSampler(num_replicas=world, rank=rank, seed=seed)``, shuffled when it was a
+    ``RandomSampler`` (``DataLoader(shuffle=True)``), so the order is seeded (the same in every
+    process and run; the DataLoader's ``generator`` does not drive it) and changes only with
+    ``loader.sampler.set_epoch(epoch)``, to be called each epoch. Ranks that pass the same
+    ``rank`` (the tp/pp ranks of one replica) read identical batches. The per-rank batch size
+    stays the loader's ``batch_size`` (global batch = world x it).
+
+    Kept unchanged: a loader whose sampler already is a ``DistributedSampler`` (the user
+    sharded it), and, with ``world == 1``, one with its own sampler, ``batch_sampler`` or an
+    ``IterableDataset`` (nothing to shard: it is used as the user built it). With
+    ``world > 1`` other samplers are replaced by a ``DistributedSampler`` (shuffled only if
+    it was a ``RandomSampler``), and an ``IterableDataset`` or ``batch_sampler`` raises.
+
+    Example:
+        >>> loader = shard_dataloader(DataLoader(list(range(8)), batch_size=2, shuffle=True), 1, 0)
+        >>> loader.sampler.set_epoch(1); sorted(int(v) for b in loader for v in b)
+        [0, 1, 2, 3, 4, 5, 6, 7]
     """
-    if dataloader is None or world == 1 or isinstance(dataloader.sampler, DistributedSampler):
+    if dataloader is None or isinstance(dataloader.sampler, DistributedSampler):
         return dataloader
+    if world == 1 and not _plain_sampler(dataloader):
+        return dataloader  # one replica reads everything: the user's own sampling stands
     if isinstance(dataloader.dataset, IterableDataset):
         raise TypeError("cannot shard an IterableDataset with DistributedSampler: shard it per rank "
                         "yourself and pass dataloader=None to boost()")
@@ -166,10 +197,16 @@ def shard_dataloader(dataloader: Optional[DataLoader], world: int, rank: int,
     if dataloader.num_workers > 0:
         extra = {"prefetch_factor": dataloader.prefetch_factor,
                  "persistent_workers": dataloader.persistent_workers}
+    # Everything else the user set carries over (with one replica the loader used to be
+    # returned as built, so its worker context, generator and ordering must not be lost).
     return DataLoader(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
                       num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
                       pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
-                      timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn, **extra)
+                      timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn,
+                      multiprocessing_context=dataloader.multiprocessing_context,
+                      generator=dataloader.generator,
+                      pin_memory_device=dataloader.pin_memory_device, in_order=dataloader.in_order,
+                      **extra)
 
 
 class Plugin(ABC):
@@ -267,8 +304,11 @@ class Plugin(ABC):
                            seed: int = 1024, drop_last: bool = False, **kwargs) -> DataLoader:
         """A DataLoader over this data-parallel rank's part of ``dataset`` (``batch_size`` per rank).
 
-        Ranks that share a dp index (the tp/pp ranks of one replica) read the same samples.
-        With ``shuffle=True`` call ``loader.sampler.set_epoch(epoch)`` each epoch.
+        Its sampler is a ``DistributedSampler(num_replicas=dp_size, rank=dp_rank, seed=seed)``
+        at every dp size, 1 included (see ``shard_dataloader``): ranks that share a dp index
+        (the tp/pp ranks of one replica) read the same batches, and the shuffle is the same in
+        every process. With ``shuffle=True`` call ``loader.sampler.set_epoch(epoch)`` each
+        epoch (without it every epoch repeats the first one's order).
 
         Example:
             >>> from fp8boost.plugins import TorchDDPPlugin
