@@ -190,6 +190,14 @@ def shard_dataloader(dataloader: Optional[DataLoader], world: int, rank: int,
     if dataloader.batch_size is None:
         raise TypeError("cannot shard a DataLoader built with a custom batch_sampler: pass a "
                         "DataLoader with batch_size=..., or shard it yourself")
+    if not _plain_sampler(dataloader):
+        from fp8boost import _state
+        _state.warn_once(("shard-dataloader-replaces", type(dataloader.sampler).__name__),
+                         f"fp8boost: the dataloader's {type(dataloader.sampler).__name__} is "
+                         f"replaced by a DistributedSampler over {world} data-parallel replicas "
+                         "(its weights, replacement or num_samples are not kept); to keep your "
+                         "sampling, build a sampler that shards by plugin.dp_rank / "
+                         "plugin.dp_size yourself (a DistributedSampler subclass is kept as is)")
     sampler = DistributedSampler(dataloader.dataset, num_replicas=world, rank=rank,
                                  shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed,
                                  drop_last=dataloader.drop_last)

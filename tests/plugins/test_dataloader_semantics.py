@@ -65,6 +65,19 @@ def test_one_replica_keeps_loaders_with_their_own_sampler():
     assert shard_dataloader(loaders[0], 4, 2) is loaders[0]  # a user's DistributedSampler stays
 
 
+def test_replacing_a_users_sampler_over_replicas_says_so():
+    """Over several replicas a custom sampler cannot be kept: replaced, never silently."""
+    from fp8boost import _state
+
+    _state.reset()
+    data = TensorDataset(torch.arange(8))
+    weighted = DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.warns(UserWarning, match="WeightedRandomSampler is replaced by a "
+                                         "DistributedSampler over 2"):
+        loader = shard_dataloader(weighted, 2, 1)
+    assert isinstance(loader.sampler, DistributedSampler) and loader.sampler.rank == 1
+
+
 def test_booster_without_plugin_shards_like_one_replica():
     from fp8boost.booster import Booster
 
