@@ -6,8 +6,10 @@ What is checked (one spawn, many assertions):
   scale is exactly ``1/scale``; the working BF16 weight is decoded from the same bytes;
 * (b) the layer's forward/dgrad with those bytes equal a manual FP8 GEMM with the full cast,
   and the layer never quantizes its weight nor fills its weight-cast cache;
-* (c) a write to the weight, or another optimizer step, drops the bytes (warned) and the layer
-  casts its weight itself again; a delayed-scaling layer keeps the regular path;
+* (c) a write to the weight drops the bytes (warned) and the layer casts its weight itself
+  again; another optimizer's step leaves them in use (ZeRO hands them over again: the weight
+  is unchanged), unless the weight was written too; a delayed-scaling layer keeps the regular
+  path;
 * (d) LowLevelZeroPlugin stage 1 and 2 with use_fp8 + fp8_communication and the direct path
   bound still match the single-process FP8 run within the existing parity tolerances;
 * (e) exactly one all-reduce (MAX, one entry per direct weight) per optimizer step.
@@ -129,7 +131,7 @@ def _casts_weight(layer) -> bool:
 
 
 def _check_invalidation(model, opt, rank: int) -> None:
-    """(c): a weight write or another optimizer step drops the bytes."""
+    """(c): a weight write drops the bytes; another optimizer's step alone does not."""
     layer = model[4]
     assert not _casts_weight(layer)
     with torch.no_grad():
@@ -139,7 +141,12 @@ def _check_invalidation(model, opt, rank: int) -> None:
     assert not _casts_weight(layer)
     other = torch.zeros(1, requires_grad=True)
     other.grad = torch.ones(1)
-    torch.optim.SGD([other], lr=0.1).step()  # any optimizer step bumps the epoch
+    sgd = torch.optim.SGD([other], lr=0.1)
+    sgd.step()  # bumps the process-wide step count; this weight is untouched
+    assert not _casts_weight(layer)  # still the gathered bytes (a second run must not drift)
+    sgd.step()
+    with torch.no_grad():
+        layer.weight.mul_(1)  # a step and a write: the bytes are stale, never handed over again
     assert _casts_weight(layer)
 
 

@@ -15,6 +15,15 @@ per step. With it, for every weight consumed by a tensorwise ``Fp8Linear``:
 4. the working parameter is still decoded from the same bytes (checkpoints, other consumers and
    the optimizer rely on it), so no extra collective is needed.
 
+The layer keys a handed-over operand on the weight's storage and version and on the process-wide
+optimizer step count (``_state.step_epoch``), so that any step drops it. Any step means also
+another optimizer's: a second model trained in the same process (an uninterrupted run beside a
+resumed one, a teacher, an EMA copy) would make the layer cast its FP8-decoded working weight
+itself, whose bytes and scale differ from the cast of the FP32 master, and the two runs would
+drift apart. So each direct layer carries a forward pre-hook that hands the same bytes over again
+when steps were counted since the hand-over but the weight itself was not written (same storage,
+same version): the operand then lives exactly as long as the weight it describes.
+
 Which weights qualify reuses the FSDP rule (:func:`fp8boost.parallel.fsdp.gather_plan.choose_plan`);
 the others keep the per-rank-scale FP8 gather, with the reason logged once.
 """
@@ -49,6 +58,10 @@ class DirectWeight:
     layer: Fp8Linear
     plan: object  # fsdp.gather_plan.GatherPlan (direct=True): FP8 dtype and the layer's scale rule
     buffer: Optional[torch.Tensor] = None  # persistent FP8 [N, K], allocated on first gather
+    inv_scale: Optional[torch.Tensor] = None  # FP32 0-dim: ``buffer.float() * inv_scale`` = weight
+    # (weight data_ptr, weight version, step epoch) when the operand was last handed to the
+    # layer; None: nothing handed over, or the weight was written since (the operand is stale).
+    handed: Optional[tuple[int, int, int]] = None
 
 
 def weight_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
@@ -138,6 +151,13 @@ class ZeroDirectPlan:
     def __bool__(self) -> bool:
         return bool(self.weights)
 
+    def attach(self) -> list:
+        """Register each direct layer's re-hand-over hook (see the module docstring).
+
+        Returns the hook handles (``.remove()`` detaches them).
+        """
+        return [w.layer.register_forward_pre_hook(_rehand_hook(w)) for w in self.weights]
+
     def global_scales(self, masters: list[torch.Tensor], device: torch.device,
                       group) -> torch.Tensor:
         """One FP32 scale per direct weight, from ONE all-reduce(MAX) of the chunk amaxes.
@@ -187,7 +207,37 @@ class ZeroDirectPlan:
             decode_rows_into(data, inv, w.plan.fp8_dtype, tmp.view(1, -1),
                              power_of_2=w.plan.power_of_2, impl=impl)
             param.copy_(tmp)
-        w.layer.set_prequantized_weight(w.buffer, inv.reshape(()))
+        w.inv_scale = inv.reshape(())
+        w.layer.set_prequantized_weight(w.buffer, w.inv_scale)
+        w.handed = (param.data_ptr(), param._version, _state.step_epoch())
+
+
+def _rehand_hook(w: DirectWeight):
+    """Forward pre-hook of ``w.layer``: hand ``w``'s bytes over again if only the step count moved.
+
+    Another optimizer's step (nothing wrote this weight) would otherwise drop the operand and
+    the layer would cast its decoded working weight: other bytes than the master's cast.
+    """
+    def hook(layer: nn.Module, _args) -> None:
+        # Compiled layers never check the key (they use a set operand as is): nothing to do.
+        # Tested first, so dynamo reads nothing of ``w`` (a guard on its version and step
+        # count would recompile the layer at every step).
+        if _compiling() or w.handed is None:
+            return
+        epoch = _state.step_epoch()
+        if w.handed[2] == epoch:
+            return  # no optimizer step since the hand-over: the layer's operand is still valid
+        weight = layer.weight
+        if (weight.data_ptr(), weight._version) != w.handed[:2]:
+            w.handed = None  # the weight was written (or replaced): its bytes are stale for good
+            return
+        layer.set_prequantized_weight(w.buffer, w.inv_scale)
+        w.handed = (w.handed[0], w.handed[1], epoch)
+    return hook
+
+
+def _compiling() -> bool:
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
 
 
 def _amaxes(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -485,10 +485,12 @@ class ZeroOptimizer(OptimizerProxy):
                               direct=self._fp8_direct_plan())
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the optimizer stops working for distributed training)."""
-        for h in self._hooks:
+        """Detach the gradient hooks (the optimizer stops working for distributed training)
+        and the bound layers' operand hooks (:meth:`bind_fp8_layers`)."""
+        for h in self._hooks + self.__dict__.get("_direct_hooks", []):
             h.remove()
         self._hooks.clear()
+        self._direct_hooks = []
 
     # ------------------------------------------------------------- direct FP8 weight operands
     def bind_fp8_layers(self, model: torch.nn.Module) -> None:
@@ -504,9 +506,14 @@ class ZeroOptimizer(OptimizerProxy):
         from fp8boost.parallel.comm.direct_plan import build_direct_plan, weight_owners
         fp8 = self._comm is not None and self._comm.fp8 and self.world > 1
         mask = [fp8 and m for m in self.fp8_gather_mask]
+        for h in self.__dict__.get("_direct_hooks", []):  # bound again: the old plan's hooks go
+            h.remove()
         self._fp8_direct = build_direct_plan(self.params, [s.shape for s in self.shards], mask,
                                              weight_owners(model), self._comm.comm_config
                                              if self._comm is not None else None)
+        # Each direct layer gets its operand back after another optimizer's step (the layer
+        # drops it at every step in the process; see direct_plan's module docstring).
+        self._direct_hooks = self._fp8_direct.attach()
 
     def _fp8_direct_plan(self):
         """The bound direct plan, or None (unbound: logged once, weights are re-cast by layers)."""
