@@ -1,7 +1,8 @@
 """The FP8 core: recipes, scaling, backends (emulated / cuBLAS / Triton), Fp8Linear, conversion."""
 from .config import Fp8Config
-from .convert import convert_to_fp8, convert_from_fp8, ConversionReport
+from .convert import (ConversionReport, convert_from_fp8, convert_to_fp8, fp8_layers,
+                      is_fp8_layer)
 from .linear import Fp8Linear, invalidate_weight_caches
 
 __all__ = ["Fp8Config", "Fp8Linear", "convert_to_fp8", "convert_from_fp8", "ConversionReport",
-           "invalidate_weight_caches"]
+           "invalidate_weight_caches", "is_fp8_layer", "fp8_layers"]

@@ -324,3 +324,25 @@ def convert_from_fp8(model: nn.Module) -> int:
 
     _swap(model, make)
     return count
+
+
+def is_fp8_layer(module: nn.Module) -> bool:
+    """Whether ``module`` runs its GEMMs in FP8 (an :class:`Fp8Linear` or FP8 GPT-2 ``Conv1D``).
+
+    The one question every other part of fp8boost asks about a layer: conversion decides once
+    (``convert_to_fp8``), everything downstream queries it here.
+
+    Example:
+        >>> import torch
+        >>> from fp8boost.fp8 import Fp8Config, convert_to_fp8, is_fp8_layer
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        >>> _ = convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0))
+        >>> is_fp8_layer(model[0])
+        True
+    """
+    return isinstance(module, Fp8Linear)
+
+
+def fp8_layers(model: nn.Module) -> list[nn.Module]:
+    """Every FP8 layer of ``model`` (see :func:`is_fp8_layer`), in ``modules()`` order."""
+    return [m for m in model.modules() if is_fp8_layer(m)]
