@@ -95,6 +95,52 @@ def _check_ddp(rank: int, ws: int) -> None:
         assert abs(lf - lr_) <= 0.05 * lr_, losses
 
 
+def _check_ddp_first_step(rank: int, ws: int) -> None:
+    """A new DDP model's first step reduces in the buckets DDP rebuilds after it (bit-exact
+    resume): its gradients equal those of a model whose buckets are rebuilt already. The hook
+    registered without ``register_fp8_comm_hook`` keeps DDP's initial single bucket, whose
+    FP8 chunks and scales differ (shown, so the comparison is not vacuous)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.ddp.hooks import Fp8CommHookState, fp8_allreduce_hook, \
+        register_fp8_comm_hook
+
+    cfg = Fp8CommConfig(min_numel=0)
+    local = _mlp(0)
+    x, y = _batch(rank, 7)
+
+    def ddp(state=None):
+        model = DDP(copy.deepcopy(local), bucket_cap_mb=0.004)  # 1 bucket, then 2 rebuilt
+        if state is None:
+            return model, register_fp8_comm_hook(model, config=cfg)
+        model.register_comm_hook(state, fp8_allreduce_hook)
+        return model, state
+
+    def grads(model) -> list[torch.Tensor]:
+        nn.functional.mse_loss(model(x), y).backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return out
+
+    warm, warm_state = ddp()
+    grads(warm)  # its first backward; DDP rebuilds its buckets at the next forward
+    rebuilt = grads(warm)
+    assert warm._has_rebuilt_buckets and warm_state._layout._done
+    assert all(warm_state._layout._predicted.values()), "rebuilt buckets != prediction"
+    fresh, fresh_state = ddp()
+    assert all(torch.equal(a, b) for a, b in zip(grads(fresh), rebuilt)), \
+        "first step of a new DDP model differs from a rebuilt one"
+    assert not fresh._has_rebuilt_buckets and not fresh_state._layout._done
+    assert all(torch.equal(a, b) for a, b in zip(grads(fresh), rebuilt))
+    assert fresh_state._layout._done and not fresh_state._layout._handles
+    plain, _ = ddp(Fp8CommHookState(group=None, config=cfg))
+    assert not all(torch.equal(a, b) for a, b in zip(grads(plain), rebuilt))
+    # Where DDP never rebuilds (find_unused_parameters), nothing is recorded.
+    unused = DDP(copy.deepcopy(local), find_unused_parameters=True)
+    assert register_fp8_comm_hook(unused, config=cfg)._layout is None
+
+
 def _quantized_weight(w: torch.Tensor) -> torch.Tensor:
     from fp8boost.fp8.scaling import amax, cast_to_fp8, dequantize, scale_from_amax
     scale = scale_from_amax(amax(w), torch.float8_e4m3fn, 0, True)
@@ -206,6 +252,7 @@ def _check_fsdp(rank: int, ws: int) -> None:
 
 def _worker(rank: int, ws: int) -> bool:
     _check_ddp(rank, ws)
+    _check_ddp_first_step(rank, ws)
     _check_fsdp(rank, ws)
     return True
 

@@ -10,7 +10,8 @@ ZeRO-1/2 x ``use_fp8`` x ``fp8_communication``; Gemini, TorchFSDP, Hybrid (ZeRO-
 DDP with both flags; DDP with each flag alone. One spawn runs them all (~10 s on 2 cores).
 
 Issue 23 item 6 (ZeRO + FP8 + FP8 communication drifted after a reload) is the first case;
-DDP with ``fp8_communication`` is a known, separate inexactness (``KNOWN_INEXACT``, xfail).
+DDP with ``fp8_communication`` (``DDP_COMM``) has its own test: its FP8 gradient hook's bits
+follow DDP's buckets, which DDP rebuilds after a new model's first backward.
 """
 from __future__ import annotations
 
@@ -147,10 +148,9 @@ def _other(kind: str, use_fp8: bool = True, comm: bool = True):
 
 
 # DDP's FP8 gradient hook casts each bucket with per-chunk scales, and DDP re-orders its buckets
-# after the first backward of every new DDP model: the resumed run's first step reduces with
-# the initial layout, the uninterrupted run with the rebuilt one (fixed in neither
-# torch_ddp_plugin nor parallel/ddp/hooks yet).
-KNOWN_INEXACT = ("ddp_fp8_comm", "ddp_comm")
+# after the first backward of every new DDP model: before the fix, the resumed run's first step
+# reduced in DDP's initial bucket, the uninterrupted run in the rebuilt ones.
+DDP_COMM = ("ddp_fp8_comm", "ddp_comm")
 
 
 def _cases() -> list[tuple]:
@@ -188,14 +188,15 @@ def test_resume_bit_exact_every_plugin_and_flag(resume_failures):
     run's optimizer step dropped the layer's prequantized FP8 weight (keyed on the process-wide
     step count) and it re-cast its FP8-decoded working weight instead.
     """
-    bad = [line for case, lines in resume_failures.items() if case not in KNOWN_INEXACT
+    bad = [line for case, lines in resume_failures.items() if case not in DDP_COMM
            for line in lines]
     assert not bad, "resume is not bit-exact:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="DDP + fp8_communication: the FP8 gradient hook's "
-                   "scales follow DDP's bucket layout, which DDP rebuilds after the first "
-                   "backward of the resumed model (see KNOWN_INEXACT)")
 def test_resume_bit_exact_ddp_fp8_communication(resume_failures):
-    bad = [line for case in KNOWN_INEXACT for line in resume_failures[case]]
+    """TorchDDPPlugin with fp8_communication (with and without use_fp8). Before the fix the
+    resumed model's first step reduced its gradients in DDP's initial single bucket while the
+    uninterrupted run used the buckets DDP rebuilds after a first backward (other FP8 chunks
+    and scales); the FP8 hook now reduces a new model's first step in the rebuilt buckets."""
+    bad = [line for case in DDP_COMM for line in resume_failures[case]]
     assert not bad, "resume is not bit-exact:\n" + "\n".join(bad)
