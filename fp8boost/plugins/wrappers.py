@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fp8boost.parallel.zero.optimizer import OptimizerProxy
+from fp8boost.parallel.boosted_optimizer import OptimizerProxy
 from fp8boost.parallel.zero.sharding import ParamShard, make_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16")

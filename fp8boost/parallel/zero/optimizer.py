@@ -25,28 +25,11 @@ import torch
 import torch.distributed as dist
 
 from fp8boost import _state
+from fp8boost.parallel.boosted_optimizer import OptimizerProxy
 
 from .buckets import Collectives, GradReducer, _all_gather_single, all_gather_params
 from .loss_scaler import DynamicLossScaler
 from .sharding import ParamShard, make_shard
-
-
-class OptimizerProxy:
-    """The ``torch.optim`` surface (param_groups, state, defaults) of a wrapped ``self.optim``."""
-
-    optim: torch.optim.Optimizer
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optim.defaults
 
 
 class ZeroOptimizer(OptimizerProxy):

@@ -1,0 +1,137 @@
+"""The declared interface of the optimizer that ``Booster.boost`` returns.
+
+Every plugin wraps the user's torch optimizer in one of three classes:
+
+* ``ZeroOptimizer`` (:mod:`fp8boost.parallel.zero`): FP32 master weights, optionally sharded
+  over data-parallel ranks (ZeRO-1/2); also the single-process master-weight optimizer;
+* ``OptimizerWrapper`` (:mod:`fp8boost.plugins.wrappers`): no master weights (FP32 training);
+* ``FsdpOptimizer`` (:mod:`fp8boost.plugins.fsdp_plugin_base`): over FSDP2's sharded FP32
+  parameters.
+
+:class:`BoostedOptimizer` is what the Booster, the plugins and the checkpoint IO may call on
+any of them; :class:`ShardedCheckpointState` is the extra surface of the wrappers saved by the
+safetensors checkpoint formats (``ZeroOptimizer`` and ``OptimizerWrapper``; FSDP goes through
+DCP instead). :class:`OptimizerProxy` is their common base: the ``torch.optim`` surface of the
+wrapped optimizer plus the defaults of the members that mean nothing for some wrappers, so a
+caller never needs ``hasattr`` to find out which wrapper it holds.
+
+This module sits at the bottom of ``parallel/`` and imports nothing from it at run time, so
+every wrapper (``parallel/zero`` and ``plugins/`` alike) can import it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: importing zero/ here would be circular
+    from fp8boost.parallel.nonfinite import NonFiniteGuard
+    from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
+    from fp8boost.parallel.zero.sharding import ParamShard
+
+__all__ = ["BoostedOptimizer", "ShardedCheckpointState", "OptimizerProxy"]
+
+
+@runtime_checkable
+class BoostedOptimizer(Protocol):
+    """What every optimizer returned by ``Booster.boost`` implements.
+
+    Attributes:
+        optim: the user's torch optimizer (its param groups may point at master weights or
+            sharded parameters rather than the model's own tensors).
+        params: the model parameters it trains, in param-group order.
+        loss_scaler: the dynamic loss scaler (fp16), or None.
+        nonfinite_guard: set by ``Booster.boost``; consulted before every step (None: off).
+    """
+
+    optim: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    loss_scaler: Optional[DynamicLossScaler]
+    nonfinite_guard: Optional[NonFiniteGuard]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's param groups (learning-rate schedulers write them)."""
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+
+    @property
+    def defaults(self) -> dict:
+        """The wrapped optimizer's defaults."""
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()`` plus what the wrapper needs (loss scaling, gradient reduction)."""
+
+    def step(self, closure: Any = None) -> Any:
+        """One optimizer step (skipped on every rank alike on overflow / non-finite values)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients and this step's bookkeeping."""
+
+    def no_sync(self) -> ContextManager[None]:
+        """Accumulate gradients locally inside the block (no gradient communication)."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients to a global norm; returns the norm before clipping."""
+
+    def exact_working_params(self) -> dict[int, torch.Tensor]:
+        """``{id(param): exact value}`` for parameters whose working copy is lossy (collective)."""
+
+    def sync_master_from_model(self) -> None:
+        """Re-read derived state (master weights) from the model's parameters after a load."""
+
+
+@runtime_checkable
+class ShardedCheckpointState(Protocol):
+    """The optimizer state as pieces of flattened full-size tensors (safetensors formats).
+
+    Attributes:
+        shard_world_size: ranks the state is split over (1: any rank holds all of it).
+        shard_rank: this rank's index among them.
+    """
+
+    shard_world_size: int
+    shard_rank: int
+
+    def checkpoint_layout(self) -> list[ParamShard]:
+        """Per parameter: which range of the flattened full state this rank holds."""
+
+    def checkpoint_state(self) -> tuple[dict, dict, list[dict], dict]:
+        """This rank's (sharded pieces, replicated values, param_groups, extra)."""
+
+    def load_checkpoint_state(self, sharded: dict, replicated: dict, param_groups: list[dict],
+                              extra: dict) -> None:
+        """Inverse of :meth:`checkpoint_state` (pieces already cut to this rank's ranges)."""
+
+
+class OptimizerProxy:
+    """Base of the boosted optimizers: the ``torch.optim`` surface of a wrapped ``self.optim``
+    and the defaults of the :class:`BoostedOptimizer` members a wrapper may have no use for."""
+
+    optim: torch.optim.Optimizer
+
+    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
+    nonfinite_guard: Optional[NonFiniteGuard] = None
+    #: fp16 dynamic loss scaling; None where the wrapper has none (BF16/FP32)
+    loss_scaler: Optional[DynamicLossScaler] = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optim.defaults
+
+    def exact_working_params(self) -> dict[int, torch.Tensor]:
+        """None of the working parameters is a lossy copy: nothing to substitute."""
+        return {}
+
+    def sync_master_from_model(self) -> None:
+        """No state derived from the parameters: nothing to refresh after a load."""
