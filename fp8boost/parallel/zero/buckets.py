@@ -199,7 +199,7 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
 
     ``fp8_mask[i]`` says whether parameter ``i`` travels in FP8 (when ``comm`` is an FP8 one);
     the others go in their own dtype. ``direct`` (a
-    :class:`~fp8boost.parallel.comm.direct_plan.ZeroDirectPlan`) names FP8 weights whose bytes
+    :class:`~fp8boost.parallel.zero.direct_plan.ZeroDirectPlan`) names FP8 weights whose bytes
     also feed their ``Fp8Linear`` directly: one all-reduce(MAX) of all their amaxes first, then
     one scale per weight and plain uint8 buckets. Buckets are double-buffered: bucket k+1 is in
     flight while bucket k is unpacked, so at most two buckets of gathered parameters exist at once.

@@ -483,10 +483,10 @@ class ZeroOptimizer(OptimizerProxy):
         building this optimizer) binds it. Each weight gathered in FP8 whose sole consumer is
         a tensorwise e4m3 ``Fp8Linear`` is then cast once per step with one scale from its
         global amax, and the gathered bytes become the layer's weight operand (see
-        :mod:`fp8boost.parallel.comm.direct_plan`); the others keep the regular FP8 gather,
+        :mod:`fp8boost.parallel.zero.direct_plan`); the others keep the regular FP8 gather,
         with the reason logged once.
         """
-        from fp8boost.parallel.comm.direct_plan import build_direct_plan, weight_owners
+        from fp8boost.parallel.zero.direct_plan import build_direct_plan, weight_owners
         fp8 = self._comm is not None and self._comm.fp8 and self.world > 1
         mask = [fp8 and m for m in self.fp8_gather_mask]
         for h in self.__dict__.get("_direct_hooks", []):  # bound again: the old plan's hooks go

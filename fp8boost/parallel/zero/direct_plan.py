@@ -41,9 +41,9 @@ from fp8boost import _state
 from fp8boost.fp8.linear import Fp8Linear
 from fp8boost.fp8.scaling import amax, scale_from_amax
 
-from ._utils import _cast_impl
-from .config import Fp8CommConfig
-from .wire import cast_rows_into, decode_rows_into
+from fp8boost.parallel.comm._utils import _cast_impl
+from fp8boost.parallel.comm.config import Fp8CommConfig
+from fp8boost.parallel.comm.wire import cast_rows_into, decode_rows_into
 
 logger = logging.getLogger("fp8boost.parallel.zero")
 
