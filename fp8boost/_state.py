@@ -1,4 +1,5 @@
-"""Process-wide state of fp8boost, in one place.
+"""Process-wide state of fp8boost, in one place: no other module keeps a mutable
+module-level container (``tests/test_state.py`` checks this).
 
 Everything here lives for the life of the process and is created lazily (nothing runs at
 import time):
@@ -7,13 +8,27 @@ import time):
   reported once per job and reason: once per process, and in a multi-process job by rank 0
   only (the conditions they report are the same on every rank: same machine type, model and
   options), unless the caller says ``all_ranks=True``;
-* the optimizer-step epoch: bumped after every ``torch.optim`` step by a global hook registered
-  on first use; FP8 weight-cast caches compare against it, since fused optimizers step without
-  bumping the Parameters' version counters;
-* capability probes: results of one-time checks per device (FP8 tensor cores, Triton
-  self-tests), cached under a string key.
+* probes (``probe``): values computed once per key: device capability checks (FP8 tensor
+  cores, Triton self-tests), per-device facts (SM counts), objects built on first use (the
+  default ``Fp8CommConfig``, Triton kernels);
+* named caches (``cache``): dicts owned here, used by one module each: ``"fp8.backends"``
+  (backend name -> backend instance), ``"fp8.shared_cast"`` (the last shared input cast),
+  ``"zero.fused_step.steps"`` (each master's step count as a float);
+* tracked objects (``track``): objects that hold process-wide state of their own and clear it
+  in their ``clear()`` method, held weakly (the kernel config caches,
+  ``fp8.kernels.tuning.ConfigCache``: every instance, including ones a test builds);
+* settings (``setting`` / ``set_setting``): process-wide switches, defaults in
+  ``SETTING_DEFAULTS`` (``"fp8.kernels.autotune"``: time candidate kernel configs);
+* counters: the optimizer-step epoch, bumped after every ``torch.optim`` step by a global hook
+  registered on first use (FP8 weight-cast caches compare against it, since fused optimizers
+  step without bumping the Parameters' version counters), and the number of process groups
+  ``init_distributed`` has started (a fresh store prefix for each).
 
-Tests may call :func:`reset` to start from a clean slate.
+:func:`reset` (tests) forgets warn/log-once keys and probe results, empties every named cache
+in place (a module holding a reference to one sees it empty), calls ``clear()`` on every
+tracked object and puts every setting back to its default. It does not rewind the two counters: they identify things (an epoch a cached FP8
+weight was cast in, a store prefix another group used), and counting again from zero would
+let an old cache entry or store key match again. The step hook stays registered.
 """
 from __future__ import annotations
 
@@ -21,14 +36,27 @@ import logging
 import os
 import threading
 import warnings
-from typing import Callable, Hashable
+import weakref
+from types import MappingProxyType
+from typing import Any, Callable, Hashable, Mapping
+
+SETTING_DEFAULTS: Mapping[str, object] = MappingProxyType({
+    # Time every candidate config of a kernel on a new shape (off: take the first; tests).
+    "fp8.kernels.autotune": True,
+})
 
 _LOCK = threading.Lock()
+# Cleared by reset():
 _WARNED: set[Hashable] = set()
 _LOGGED: set[Hashable] = set()
+_PROBES: dict[Hashable, object] = {}
+_CACHES: dict[str, dict] = {}
+_SETTINGS: dict[str, object] = dict(SETTING_DEFAULTS)
+_TRACKED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # kept; reset() clears each object
+# Never rewound (see the module docstring):
 _STEP_EPOCH = [0]
 _STEP_HOOK: list = []
-_PROBES: dict[str, object] = {}
+_INIT_COUNT = [0]
 
 
 def _rank() -> int:
@@ -117,8 +145,11 @@ def bump_step_epoch() -> None:
     _bump_epoch()
 
 
-def probe(key: str, compute: Callable[[], object]) -> object:
-    """``compute()`` once per ``key`` for the life of the process (device capability checks)."""
+def probe(key: Hashable, compute: Callable[[], object]) -> object:
+    """``compute()`` once per ``key`` for the life of the process (or until :func:`reset`).
+
+    For device capability checks, per-device facts and objects built on first use.
+    """
     # No lock: compiled code traces this on a layer's first call, and a lock breaks the graph;
     # two threads racing would only compute the same answer twice.
     if key not in _PROBES:
@@ -126,9 +157,80 @@ def probe(key: str, compute: Callable[[], object]) -> object:
     return _PROBES[key]
 
 
+def cache(name: str) -> dict:
+    """The process-wide dict called ``name`` (created empty on first use).
+
+    Each name belongs to one module (see the module docstring for the names in use); holding a
+    reference to the dict is fine: :func:`reset` empties it in place, never replaces it.
+    """
+    # dict.setdefault is atomic under the GIL, and a lock here would break compiled graphs.
+    found = _CACHES.get(name)
+    return found if found is not None else _CACHES.setdefault(name, {})
+
+
+def clear_caches(prefix: str) -> None:
+    """Empty every named cache whose name starts with ``prefix`` (in place)."""
+    with _LOCK:
+        for name, table in _CACHES.items():
+            if name.startswith(prefix):
+                table.clear()
+
+
+def track(obj: Any) -> None:
+    """Have :func:`reset` call ``obj.clear()``; ``obj`` is held weakly (it may die any time)."""
+    with _LOCK:
+        _TRACKED.add(obj)
+
+
+def tracked(kind: type) -> list:
+    """The live tracked objects that are instances of ``kind``."""
+    with _LOCK:
+        return [obj for obj in _TRACKED if isinstance(obj, kind)]
+
+
+def setting(name: str) -> Any:
+    """The current value of a process-wide setting (``SETTING_DEFAULTS`` names them)."""
+    return _SETTINGS[name]
+
+
+def set_setting(name: str, value: object) -> None:
+    """Change a process-wide setting until the next :func:`reset` (which restores its default).
+
+    Raises:
+        KeyError: ``name`` is not in ``SETTING_DEFAULTS``.
+    """
+    if name not in SETTING_DEFAULTS:
+        raise KeyError(f"unknown fp8boost setting {name!r}; known: {sorted(SETTING_DEFAULTS)}")
+    _SETTINGS[name] = value
+
+
+def next_init_count() -> int:
+    """Count one more process group started by this process; returns the new count."""
+    with _LOCK:
+        _INIT_COUNT[0] += 1
+        return _INIT_COUNT[0]
+
+
+def init_count() -> int:
+    """How many process groups ``init_distributed`` has started in this process."""
+    return _INIT_COUNT[0]
+
+
 def reset() -> None:
-    """Forget warn/log-once keys and probe results (tests). The step hook stays registered."""
+    """Clear all process-wide state except the two counters (see the module docstring).
+
+    Forgets warn/log-once keys and probe results, empties every named cache in place, calls
+    ``clear()`` on every tracked object and restores every setting's default. The step epoch, the process-group count and the step
+    hook stay: rewinding a counter would let an old cache entry or store key match again.
+    """
     with _LOCK:
         _WARNED.clear()
         _LOGGED.clear()
         _PROBES.clear()
+        for table in _CACHES.values():
+            table.clear()
+        tracked_now = list(_TRACKED)
+        _SETTINGS.clear()
+        _SETTINGS.update(SETTING_DEFAULTS)
+    for obj in tracked_now:  # outside the lock: clear() may take its own
+        obj.clear()

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from fp8boost import _state
 from fp8boost._state import probe, warn_once  # noqa: F401 - warn_once is re-exported
 
 from .backend_base import Fp8Backend
@@ -69,9 +70,6 @@ class CublasBackend(Fp8Backend):
         return out
 
 
-_BACKENDS: dict[str, Fp8Backend] = {}
-
-
 def _triton_backend() -> Optional[Fp8Backend]:
     try:
         from .kernels.backend import TritonBackend  # noqa: WPS433 (lazy: imports triton)
@@ -108,7 +106,8 @@ def get_backend(name: str, device: torch.device) -> Fp8Backend:
     if name in ("triton", "cublas") and not _fp8_tensor_cores(device):
         raise ValueError(f"backend {name!r} needs a CUDA GPU with FP8 tensor cores (sm89+), got "
                          f"{device}; use backend='emulated' or 'auto'")
-    if name not in _BACKENDS:
+    backends = _state.cache("fp8.backends")  # name -> the process's one instance of it
+    if name not in backends:
         if name == "triton":
             backend = _triton_backend()
             if backend is None:
@@ -120,5 +119,5 @@ def get_backend(name: str, device: torch.device) -> Fp8Backend:
             backend = EmulatedBackend()
         else:
             raise ValueError(f"unknown FP8 backend {name!r}; use auto|triton|cublas|emulated")
-        _BACKENDS[name] = backend
-    return _BACKENDS[name]
+        backends[name] = backend
+    return backends[name]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -174,12 +176,13 @@ class Fp8Config:
         return cls(**{**NAMED_RECIPES[name], **overrides})
 
 
-NAMED_RECIPES: dict[str, dict] = {
-    "tensorwise": {},
-    "tensorwise_pow2": {"power_of_2_scale": True},
-    "delayed": {"recipe": "delayed", "amax_history_len": 16, "amax_compute_algo": "max"},
-    "tensorwise_e4m3": {"fp8_format": "e4m3"},
-}
+NAMED_RECIPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    name: MappingProxyType(fields) for name, fields in {
+        "tensorwise": {},
+        "tensorwise_pow2": {"power_of_2_scale": True},
+        "delayed": {"recipe": "delayed", "amax_history_len": 16, "amax_compute_algo": "max"},
+        "tensorwise_e4m3": {"fp8_format": "e4m3"},
+    }.items()})
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

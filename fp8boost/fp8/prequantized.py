@@ -31,8 +31,8 @@ __all__ = ["Fp8WeightTensor", "fp8_weight_operand", "fp8_weight_transpose", "deq
 aten = torch.ops.aten
 # Pure views/aliases of the bytes: the result is the same weight, still FP8 (FSDP2 applies
 # as_strided to the gathered buffer, and nn.Parameter() detaches).
-_VIEW_OPS = {aten.detach.default, aten.alias.default, aten.as_strided.default,
-             aten.view.default, aten._unsafe_view.default}
+_VIEW_OPS = frozenset({aten.detach.default, aten.alias.default, aten.as_strided.default,
+                       aten.view.default, aten._unsafe_view.default})
 
 
 class Fp8WeightTensor(torch.Tensor):

@@ -31,6 +31,14 @@ from typing import Any, Hashable, Optional
 
 import torch
 
+from fp8boost import _state
+
+# The one remembered cast of the process lives in this _state cache under _KEY: a lookup checks
+# the source's identity, so threads that interleave (nn.DataParallel replicas) only miss, never
+# get another tensor's cast.
+_CACHE = "fp8.shared_cast"
+_KEY = "last"
+
 
 class _Entry:
     __slots__ = ("src", "version", "key", "fp8", "__weakref__")
@@ -40,17 +48,12 @@ class _Entry:
         self.version, self.key, self.fp8 = version, key, fp8
 
 
-# One slot for the process: a lookup checks the source's identity, so threads that interleave
-# (nn.DataParallel replicas) only miss, never get another tensor's cast.
-_SLOT: list[Optional[_Entry]] = [None]
-
-
 def lookup(src: torch.Tensor, key: Hashable, with_transpose: bool) -> Optional[Any]:
     """The remembered cast of ``src`` made with ``key``, or None.
 
     A cast without its transposed copy does not serve a caller that needs one.
     """
-    entry = _SLOT[0]
+    entry = _state.cache(_CACHE).get(_KEY)
     if entry is None or entry.src() is not src or entry.version != src._version \
             or entry.key != key:
         return None
@@ -61,18 +64,24 @@ def lookup(src: torch.Tensor, key: Hashable, with_transpose: bool) -> Optional[A
 
 def store(src: torch.Tensor, key: Hashable, fp8: Any) -> None:
     """Remember ``fp8`` as the cast of ``src`` made with ``key`` (replacing the previous one)."""
+    slot = _state.cache(_CACHE)
     entry = _Entry(src._version, key, fp8)
     entry_ref = weakref.ref(entry)
 
     def _drop(_src_ref: weakref.ref) -> None:
         # The source died: free the shared copy now, not at the next cast.
-        if _SLOT[0] is not None and _SLOT[0] is entry_ref():
-            _SLOT[0] = None
+        if slot.get(_KEY) is not None and slot.get(_KEY) is entry_ref():
+            slot.pop(_KEY, None)
 
     entry.src = weakref.ref(src, _drop)
-    _SLOT[0] = entry
+    slot[_KEY] = entry
 
 
 def clear() -> None:
     """Forget the remembered cast (tests; a model whose weights changed dtype)."""
-    _SLOT[0] = None
+    _state.cache(_CACHE).pop(_KEY, None)
+
+
+def holds_cast() -> bool:
+    """Whether a cast is remembered now (tests: it must not outlive its source tensor)."""
+    return _state.cache(_CACHE).get(_KEY) is not None

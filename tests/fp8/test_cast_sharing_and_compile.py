@@ -66,7 +66,7 @@ def test_shared_input_cast_is_exact_and_casts_once():
     # 3 weight casts are [48, 48]; the activation [96, 48] is cast once instead of three times.
     assert len(fwd_inputs(plain.calls)) == 3 and len(fwd_inputs(shared.calls)) == 1
     gc.collect()
-    assert shared_cast._SLOT[0] is None, "the shared FP8 copy outlived its source tensor"
+    assert not shared_cast.holds_cast(), "the shared FP8 copy outlived its source tensor"
 
 
 def test_shared_input_cast_not_reused_after_in_place_write_or_for_other_settings():

@@ -23,6 +23,7 @@ in FP32 (``_round_to_fp8_grid``); exactly representable values then convert exac
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple, Optional
 
 import torch
@@ -35,8 +36,8 @@ from .tuning import ConfigCache, bucket, interpreting, num_sms
 _FP32_MAX = 3.4028234663852886e38
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 # (mantissa bits, smallest normal exponent) for the interpreter's grid rounding.
-_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
+_FP8_MAX = MappingProxyType({torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0})
 
 
 @triton.jit
@@ -178,14 +179,14 @@ class CastResult(NamedTuple):
 
 # (BLOCK_R, BLOCK_C, num_warps, programs per SM; 0 = one program per tile), for the amax and
 # the cast pass. Tuned once per (size bucket, dtype, transpose) on the GPU.
-AMAX_CONFIGS = [(32, 256, 4, 4), (64, 256, 8, 4), (32, 512, 8, 2), (16, 512, 4, 4)]
-CAST_CONFIGS = [(64, 128, 4, 0), (64, 128, 4, 8), (128, 128, 8, 4), (128, 128, 8, 0),
-                (64, 256, 8, 4), (32, 256, 4, 8), (128, 64, 4, 8)]
+AMAX_CONFIGS = ((32, 256, 4, 4), (64, 256, 8, 4), (32, 512, 8, 2), (16, 512, 4, 4))
+CAST_CONFIGS = ((64, 128, 4, 0), (64, 128, 4, 8), (128, 128, 8, 4), (128, 128, 8, 0),
+                (64, 256, 8, 4), (32, 256, 4, 8), (128, 64, 4, 8))
 _INTERP_AMAX = (8, 32, 1, 2)
 _INTERP_CAST = (16, 32, 1, 1)
 _AMAX_CACHE = ConfigCache("amax")
 _CAST_CACHE = ConfigCache("cast")
-_TL_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+_TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
 # Above this margin a power-of-two scale could be subnormal, where the kernel's exponent-bit
 # trick differs from frexp; such (unusual) casts take the scale from the torch reference.
 _MAX_FUSED_POW2_MARGIN = 64

@@ -19,6 +19,7 @@ rounding to the output dtype.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple, Optional
 
 import torch
@@ -34,7 +35,8 @@ except ImportError:  # pragma: no cover - older Triton: pointer kernel only
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
-_TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_TL_OUT = MappingProxyType({torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                            torch.float32: tl.float32})
 
 
 class GemmConfig(NamedTuple):
@@ -58,22 +60,22 @@ class GemmConfig(NamedTuple):
 # before each FP32 add; the "lagged" variant (add block i-1 while block i computes) did not
 # change that much: promoted Triton measured 0.69-0.77x of _scaled_mm(use_fast_accum=False),
 # which is why TritonBackend lets the tuner time cuBLAS too (allow_cublas, see mm()).
-FAST_CONFIGS = [
+FAST_CONFIGS = (
     GemmConfig(128, 256, 128, 8, 3, 8, True),
     GemmConfig(128, 256, 128, 8, 4, 8, True),
     GemmConfig(256, 128, 128, 8, 3, 8, True),
     GemmConfig(128, 128, 128, 8, 4, 8, False),
     GemmConfig(128, 128, 128, 8, 5, 4, False),
     GemmConfig(128, 256, 64, 8, 5, 8, True),
-]
-PRECISE_CONFIGS = [
+)
+PRECISE_CONFIGS = (
     GemmConfig(128, 256, 128, 8, 3, 8, True),
     GemmConfig(128, 128, 128, 8, 4, 8, False),
     GemmConfig(128, 128, 128, 8, 4, 8, False, True),
     GemmConfig(128, 128, 128, 8, 5, 8, True, True),
     GemmConfig(64, 256, 128, 8, 4, 8, True, True),
     GemmConfig(128, 256, 128, 8, 3, 8, True, True),
-]
+)
 CUBLAS = "cublas"  # pseudo-config: torch._scaled_mm, only when the caller allows dispatch
 _INTERP_CONFIG = GemmConfig(16, 32, 32, 2, 1, 1, True)
 _CACHE = ConfigCache("gemm")

@@ -33,18 +33,16 @@ import os
 import re
 import tempfile
 import threading
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
+from ... import _state
 from ..._state import log_once
 
 _LOCK = threading.Lock()
-_SM_COUNT: dict[int, int] = {}
-_AUTOTUNE = [True]
-_CACHES: "weakref.WeakSet[ConfigCache]" = weakref.WeakSet()
+_AUTOTUNE = "fp8.kernels.autotune"  # the _state setting
 _LOG = logging.getLogger("fp8boost.fp8.kernels")
 _FORMAT = 1
 # do_bench's warmup/rep are milliseconds of running, not iteration counts. 25 ms still times a
@@ -60,7 +58,7 @@ def set_autotune(enabled: bool) -> None:
     Example:
         >>> set_autotune(False); set_autotune(True)
     """
-    _AUTOTUNE[0] = bool(enabled)
+    _state.set_setting(_AUTOTUNE, bool(enabled))
 
 
 def interpreting() -> bool:
@@ -76,9 +74,8 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _state.probe(("cuda-sm-count", idx),
+                        lambda: torch.cuda.get_device_properties(idx).multi_processor_count)
 
 
 def bucket(n: int) -> int:
@@ -131,10 +128,8 @@ def clear_autotune_cache(disk: bool = True) -> int:
     cache folder (every device and version); returns how many.
     """
     with _LOCK:
-        for cache in list(_CACHES):
-            cache.best.clear()
-            cache.timings.clear()
-            cache._disk.clear()
+        for cache in _state.tracked(ConfigCache):
+            cache.clear()
     root = _cache_dir() if disk else None
     files = list(root.glob("autotune-*.json")) if root is not None and root.is_dir() else []
     for f in files:
@@ -185,7 +180,15 @@ class ConfigCache:
         self.best: dict[Hashable, Any] = {}
         self.timings: dict[Hashable, list[tuple[Any, float]]] = {}
         self._disk: dict[Path, dict[str, Any]] = {}  # file -> its entries, read on first use
-        _CACHES.add(self)
+        # Decisions are process-wide state: fp8boost._state.reset() (and
+        # clear_autotune_cache) clear every live cache through this registration.
+        _state.track(self)
+
+    def clear(self) -> None:
+        """Forget every decision and file entry held in memory (the files stay)."""
+        self.best.clear()
+        self.timings.clear()
+        self._disk.clear()
 
     def pick(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None],
              bench: bool = True) -> Any:
@@ -203,7 +206,7 @@ class ConfigCache:
         with _LOCK:
             if key in self.best:
                 return self.best[key]
-            if not bench or not _AUTOTUNE[0] or len(candidates) == 1:
+            if not bench or not _state.setting(_AUTOTUNE) or len(candidates) == 1:
                 self.best[key] = candidates[0]
                 return candidates[0]
             dev = key[-1] if isinstance(key, tuple) and key else None

@@ -17,7 +17,6 @@ from fp8boost import _state
 from .config import Fp8CommConfig
 
 logger = logging.getLogger("fp8boost.parallel.fp8_comm")
-_DEFAULT_CONFIG: Optional[Fp8CommConfig] = None
 
 ReduceOpLike = Union[str, Any]  # "sum" | "avg" | torch.distributed.ReduceOp (SUM/AVG/PREMUL_SUM)
 
@@ -65,11 +64,10 @@ def _log_once(op: str, reason: str, message: str, level: int = logging.WARNING) 
 
 
 def _config(config: Optional[Fp8CommConfig]) -> Fp8CommConfig:
-    global _DEFAULT_CONFIG
     if config is None:
-        if _DEFAULT_CONFIG is None:
-            _DEFAULT_CONFIG = Fp8CommConfig()
-        return _DEFAULT_CONFIG
+        # One shared default object (built on first use), as every call site passing None
+        # would otherwise build and validate its own.
+        return _state.probe("fp8-comm-default-config", Fp8CommConfig)
     if not isinstance(config, Fp8CommConfig):
         raise TypeError(f"config must be an Fp8CommConfig or None, got {type(config).__name__}")
     return config

@@ -75,10 +75,10 @@ logger = logging.getLogger("fp8boost.parallel.fsdp")
 aten = torch.ops.aten
 # Ops through which the subclass survives: FSDP pads, slices, views and copies the local shard
 # (and moves it between devices) and must still find the hooks on the result.
-_PRESERVE_OPS = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
-                 aten.copy_.default, aten.view.default, aten.as_strided.default,
-                 aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
-                 aten.clone.default, aten.detach.default}
+_PRESERVE_OPS = frozenset({aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
+                           aten.copy_.default, aten.view.default, aten.as_strided.default,
+                           aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
+                           aten.clone.default, aten.detach.default})
 
 try:  # the abstract base of FSDP2 custom comms (torch with set_custom_reduce_scatter)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
