@@ -15,7 +15,6 @@ AdamW arithmetic, op for op.
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from typing import Optional, Sequence
@@ -25,11 +24,11 @@ import torch
 from fp8boost import _state
 
 _BLOCK = 2048
-# master -> (its state's step tensor, that step as a float): reading a step kept on the GPU
-# (AdamW(fused=True) keeps it there) would sync once per tensor and step. A new step tensor
-# (a checkpoint was loaded) is read again.
+# The _state cache of master -> (its state's step tensor, that step as a float): reading a
+# step kept on the GPU (AdamW(fused=True) keeps it there) would sync once per tensor and step.
+# A new step tensor (a checkpoint was loaded) is read again.
 # Keyed by id (a tensor's == is elementwise, so tensors make poor dict keys), checked by weakref.
-_STEPS: dict[int, tuple] = {}
+_STEPS = "zero.fused_step.steps"
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
@@ -47,9 +46,12 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel():
     """The Triton kernel, built on first use (nothing imports Triton at module import)."""
+    return _state.probe("zero.fused_step.adamw_kernel", _build_kernel)
+
+
+def _build_kernel():
     import triton
     import triton.language as tl
 
@@ -180,9 +182,10 @@ def _fused_update(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tens
 def _next_step(master: torch.Tensor, state: dict) -> float:
     """Advance ``state["step"]`` by one (in place, as torch does) and return the new count."""
     t = state["step"]
-    cached = _STEPS.get(id(master))
+    steps = _state.cache(_STEPS)
+    cached = steps.get(id(master))
     fresh = cached is not None and cached[0]() is master and cached[1]() is t
     prev = cached[2] if fresh else float(t)
     t += 1
-    _STEPS[id(master)] = (weakref.ref(master), weakref.ref(t), prev + 1)
+    steps[id(master)] = (weakref.ref(master), weakref.ref(t), prev + 1)
     return prev + 1
