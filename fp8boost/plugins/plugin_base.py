@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, \
     RandomSampler, SequentialSampler
 
+from fp8boost import _state
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
 from .wrappers import ModelWrapper
@@ -43,9 +44,6 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-_INIT_COUNT = [0]  # process groups this process has started: a fresh store prefix for each
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
@@ -90,7 +88,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
         else:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                     timeout=timeout, **kwargs)
-        _INIT_COUNT[0] += 1
+        _state.next_init_count()  # the next group gets a fresh store prefix
         return
     with socket.socket() as s:  # a free port for the one-process group
         s.bind(("127.0.0.1", 0))
@@ -111,7 +109,7 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent and rank == 0, timeout=timeout,
                           multi_tenant=not agent)
-    return dist.PrefixStore(f"fp8boost/attempt{attempt}/init{_INIT_COUNT[0]}", store)
+    return dist.PrefixStore(f"fp8boost/attempt{attempt}/init{_state.init_count()}", store)
 
 
 def check_bool(name: str, value: object) -> None:
