@@ -11,6 +11,7 @@ checkpoint protocol that ``ZeroOptimizer`` also implements (see ``plugins/checkp
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 from typing import Any, Iterator, Optional
 
 import torch
@@ -21,7 +22,8 @@ from fp8boost.parallel.boosted_optimizer import OptimizerProxy
 from fp8boost.parallel.zero.sharding import ParamShard, make_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16,
+                           "fp16": torch.float16})
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import struct
+from types import MappingProxyType
 from typing import Iterator, Optional
 
 import safetensors
@@ -24,11 +25,11 @@ from torch import nn
 
 from . import formats as cio
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32",
-              torch.uint64: "U64", torch.bool: "BOOL",
-              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_ST_DTYPES = MappingProxyType({
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"})
 
 
 # ------------------------------------------------------------------------- DTensor helpers
