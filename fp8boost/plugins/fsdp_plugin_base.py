@@ -19,6 +19,7 @@ from fp8boost import _state
 from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
 from fp8boost.parallel.zero.optimizer import OptimizerProxy
 
+from .delayed_amax import reduce_delayed_amax
 from .plugin_base import Boosted, Plugin, check_boost_args, default_device, init_distributed, \
     shard_dataloader
 from .wrappers import DTYPES, ModelWrapper, cast_params_
@@ -219,6 +220,8 @@ class FsdpPluginBase(Plugin):
         # FP32 masters, sharded below (buffers keep their dtype: rotary tables, FP8 histories).
         cast_params_(model, torch.float32)
         self.fp8_report = self._convert_fp8(model)
+        # Buffers (FP8 amax histories) stay whole on every rank: reduce them to one history.
+        reduce_delayed_amax(model, self.dp_group)
         self.comm_report = self._fp8_all_gather(model)
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)

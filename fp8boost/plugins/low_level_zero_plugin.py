@@ -10,6 +10,7 @@ from torch import nn
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.parallel.zero import ZeroOptimizer
 
+from .delayed_amax import reduce_delayed_amax
 from .plugin_base import Boosted, Plugin, check_bool, check_boost_args, default_device, \
     init_distributed, shard_dataloader
 from .precision import check_comm_config, check_fp8_config, check_max_norm, check_precision, \
@@ -126,6 +127,7 @@ class LowLevelZeroPlugin(Plugin):
         self.fp8_report = prepare_model(model, self.precision, self.use_fp8, self.fp8_config, device)
         if self.dp_size > 1:
             _broadcast_module(model, group)
+            reduce_delayed_amax(model, group)  # one delayed-scaling history on every rank
         opt = None
         if optimizer is not None:
             opt = ZeroOptimizer(

@@ -4,14 +4,18 @@ A tiny HF Llama (every linear converts to FP8 with ``min_numel=0``) trains a few
 2 gloo ranks and is saved both ways (``save_model`` + ``save_optimizer``, and
 ``save_checkpoint``); two fresh models (initialised differently), optimizers and plugins load
 one save each. The three runs then take the same steps on the same data in turn, in one
-process, as a user comparing them side by side would: the losses and the final weights (FP32
-masters where the plugin keeps them, and the working parameters) must be bit-identical. Cases:
+process, as a user comparing them side by side would: the losses and the final state (FP32
+masters where the plugin keeps them, the working parameters, and delayed-scaling FP8 amax
+histories and scales) must be bit-identical, and those buffers equal on every rank. Cases:
 ZeRO-1/2 x ``use_fp8`` x ``fp8_communication``; Gemini, TorchFSDP, Hybrid (ZeRO-2, tp1) and
-DDP with both flags; DDP with each flag alone. One spawn runs them all (~10 s on 2 cores).
+DDP with both flags; DDP with each flag alone; ``Fp8Config(recipe="delayed")`` with ZeRO-2,
+ZeRO-1 + FP8 communication, Gemini + FP8 communication and TorchFSDP. One spawn runs them all
+(~15 s on 2 cores).
 
 Issue 23 item 6 (ZeRO + FP8 + FP8 communication drifted after a reload) is the first case;
 DDP with ``fp8_communication`` (``DDP_COMM``) has its own test: its FP8 gradient hook's bits
-follow DDP's buckets, which DDP rebuilds after a new model's first backward.
+follow DDP's buckets, which DDP rebuilds after a new model's first backward. ``KNOWN_INEXACT``
+lists what is not exact yet (strict xfail).
 """
 from __future__ import annotations
 
@@ -38,16 +42,17 @@ def _llama(seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def _configs():
+def _configs(recipe: str = "tensorwise"):
     from fp8boost.fp8 import Fp8Config
     from fp8boost.parallel.comm.config import Fp8CommConfig
     # min_numel=0: the tiny layers must still run (and travel) in FP8.
-    return Fp8Config(backend="emulated", min_numel=0), Fp8CommConfig(min_numel=0)
+    return (Fp8Config(backend="emulated", min_numel=0, recipe=recipe),
+            Fp8CommConfig(min_numel=0))
 
 
-def _zero(stage: int, use_fp8: bool, comm: bool):
+def _zero(stage: int, use_fp8: bool, comm: bool, recipe: str = "tensorwise"):
     from fp8boost.plugins import LowLevelZeroPlugin
-    fc, cc = _configs()
+    fc, cc = _configs(recipe)
     # A small bucket (4k elements) gives several buckets per backward.
     return LowLevelZeroPlugin(stage=stage, use_fp8=use_fp8, fp8_communication=comm,
                               fp8_config=fc, comm_config=cc, reduce_bucket_size_in_m=0.004)
@@ -80,10 +85,29 @@ def _train(booster, model, opt, rank: int, world: int, start: int, steps: int) -
 
 
 def _state(model, opt) -> list[torch.Tensor]:
-    """Everything training continues from: FP32 masters (if any) and the working params."""
+    """Everything training continues from: FP32 masters (if any), the working params and the
+    delayed-scaling FP8 histories and scales (buffers)."""
     masters = opt.full_master_params() if hasattr(opt, "full_master_params") else []
     params = [p.detach().clone() for p in model.unwrap().parameters()]
-    return masters + params
+    return masters + params + _fp8_buffers(model)
+
+
+def _fp8_buffers(model) -> list[torch.Tensor]:
+    return [b.detach().clone() for n, b in model.unwrap().named_buffers()
+            if n.rsplit(".", 1)[-1] in ("fp8_amax_history", "fp8_scale")]
+
+
+def _ranks_disagree(model) -> bool:
+    """True when some rank's delayed-scaling buffers differ from rank 0's (a checkpoint keeps
+    one copy, so every rank must hold the same)."""
+    flat = [b.reshape(-1) for b in _fp8_buffers(model)]
+    if not flat:
+        return False
+    mine = torch.cat(flat)
+    lo, hi = mine.clone(), mine.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return not torch.equal(lo, hi)
 
 
 def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
@@ -126,6 +150,8 @@ def _resume_cases(rank: int, world: int, root: str, cases: list[tuple]) -> list[
             for how, (b, m, o) in runs.items():
                 losses[how] += _train(b, m, o, rank, world, step, 1)
         want_losses, want_state = losses.pop("uninterrupted"), _state(model, opt)
+        if _ranks_disagree(model):
+            failures.append(f"{name} via uninterrupted: delayed-scaling buffers differ by rank")
         for how, got_losses in losses.items():
             if got_losses != want_losses:
                 failures.append(f"{name} via {how}: losses {got_losses} != {want_losses}")
@@ -135,11 +161,11 @@ def _resume_cases(rank: int, world: int, root: str, cases: list[tuple]) -> list[
     return failures
 
 
-def _other(kind: str, use_fp8: bool = True, comm: bool = True):
+def _other(kind: str, use_fp8: bool = True, comm: bool = True, recipe: str = "tensorwise"):
     """Another plugin (tp1 for the hybrid one: every weight whole on the 2 dp ranks)."""
     from fp8boost.plugins import GeminiPlugin, HybridParallelPlugin, TorchDDPPlugin, \
         TorchFSDPPlugin
-    fc, cc = _configs()
+    fc, cc = _configs(recipe)
     kw = dict(use_fp8=use_fp8, fp8_communication=comm, fp8_config=fc)
     if kind == "hybrid_zero2":  # the ZeRO optimizer under the hybrid plugin (FP8 all-gather)
         return HybridParallelPlugin(tp_size=1, zero_stage=2, precision="bf16", **kw)
@@ -161,7 +187,27 @@ def _cases() -> list[tuple]:
               for kind in ("gemini", "torchfsdp", "hybrid_zero2", "ddp")]
     cases += [("ddp_fp8", functools.partial(_other, "ddp", True, False)),
               ("ddp_comm", functools.partial(_other, "ddp", False, True))]
+    # Delayed scaling: each rank's amax history follows its own data unless the plugin reduces
+    # the amaxes over the data-parallel group, and a checkpoint holds one rank's history.
+    cases += [("zero2_delayed", functools.partial(_zero, 2, True, False, "delayed")),
+              ("zero1_delayed_comm", functools.partial(_zero, 1, True, True, "delayed")),
+              ("gemini_delayed", functools.partial(_other, "gemini", True, True, "delayed")),
+              ("torchfsdp_delayed", functools.partial(_other, "torchfsdp", True, False,
+                                                      "delayed"))]
     return cases
+
+
+# FSDP2 plugins' load_model (checkpoint_io/dcp.py -> hf_sharded.read_sharded) copies each
+# tensor into the module's state_dict entries in place, bypassing Fp8Linear._load_from_state_dict,
+# so the delayed-scaling states are not marked initialised and the first forward re-seeds the
+# loaded amax history from the current batch (save_checkpoint loads through load_state_dict and
+# is exact). Not fixed here (the checkpoint IO is not this change's).
+KNOWN_INEXACT = ("gemini_delayed via save_model+save_optimizer",
+                 "torchfsdp_delayed via save_model+save_optimizer")
+
+
+def _known(line: str) -> bool:
+    return line.startswith(KNOWN_INEXACT)
 
 
 def _all_cases(rank: int, world: int, root: str) -> list[str]:
@@ -181,15 +227,18 @@ def resume_failures(tmp_path_factory) -> dict[str, list[str]]:
 
 def test_resume_bit_exact_every_plugin_and_flag(resume_failures):
     """ZeRO-1/2 x use_fp8 x fp8_communication, and Gemini, TorchFSDP, Hybrid (ZeRO-2, tp1) and
-    DDP (use_fp8) with FP8 GEMMs + FP8 communication: the resumed runs equal the uninterrupted
-    one bit for bit (losses and final weights), with the three stepping in turn in one process.
+    DDP (use_fp8) with FP8 GEMMs + FP8 communication, and the delayed recipe: the resumed runs
+    equal the uninterrupted one bit for bit (losses and final state), with the three stepping
+    in turn in one process.
 
     Issue 23 item 6: before the fix, ZeRO with use_fp8 and fp8_communication drifted: the other
     run's optimizer step dropped the layer's prequantized FP8 weight (keyed on the process-wide
-    step count) and it re-cast its FP8-decoded working weight instead.
+    step count) and it re-cast its FP8-decoded working weight instead. Delayed recipe: before
+    the fix, ZeRO and FSDP2 ranks kept amax histories of their own data, the checkpoint kept
+    rank 0's, so rank 1 resumed with another history (now reduced with MAX over dp ranks).
     """
     bad = [line for case, lines in resume_failures.items() if case not in DDP_COMM
-           for line in lines]
+           for line in lines if not _known(line)]
     assert not bad, "resume is not bit-exact:\n" + "\n".join(bad)
 
 
@@ -199,4 +248,12 @@ def test_resume_bit_exact_ddp_fp8_communication(resume_failures):
     uninterrupted run used the buckets DDP rebuilds after a first backward (other FP8 chunks
     and scales); the FP8 hook now reduces a new model's first step in the rebuilt buckets."""
     bad = [line for case in DDP_COMM for line in resume_failures[case]]
+    assert not bad, "resume is not bit-exact:\n" + "\n".join(bad)
+
+
+@pytest.mark.xfail(strict=True, reason="FSDP2 load_model (hf_sharded.read_sharded) bypasses "
+                   "Fp8Linear._load_from_state_dict: delayed-scaling states re-seed the loaded "
+                   "amax history (see KNOWN_INEXACT)")
+def test_resume_bit_exact_fsdp_delayed_load_model(resume_failures):
+    bad = [line for lines in resume_failures.values() for line in lines if _known(line)]
     assert not bad, "resume is not bit-exact:\n" + "\n".join(bad)
