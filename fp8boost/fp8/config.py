@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -20,6 +20,7 @@ BACKENDS = ("auto", "triton", "cublas", "emulated")
 AMAX_ALGOS = ("max", "most_recent")
 COMPILED_CASTS = ("inductor", "kernel")
 DEFAULT_MIN_NUMEL = 4096 * 4096
+"""The library default of ``Fp8Config.min_numel`` (used where that field is None)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,9 +106,14 @@ class Fp8Config:
     min_features: int = 16
     """Default filter: layers with in or out features below this stay high precision."""
 
-    min_numel: int = DEFAULT_MIN_NUMEL
+    min_numel: Optional[int] = None
     """Default filter: layers with fewer weight elements than this stay high precision (too small
-    to gain). The default, 4096*4096, comes from whole-model training steps on an H200
+    to gain). ``None`` (the default) means the library default, ``DEFAULT_MIN_NUMEL`` =
+    4096*4096, a speed rule applied only where FP8 can be fast (backend ``triton`` or
+    ``cublas``, or ``auto`` with an sm89+ GPU present); without FP8 tensor cores it is waived
+    (logged once), so small models still run FP8 numerics. Any int, 4096*4096 included, is an
+    explicit choice and applies on every backend; ``convert.min_numel_limit`` resolves the
+    field, in one place. The library default comes from whole-model training steps on an H200
     (bench/results/threshold_h200_2026-11-22.json): converting every linear layer made a 125M
     Llama 0.37x and a 1B Llama (2048x5632 MLP) 0.81x as fast as BF16, while a Llama-7B-shaped
     model (4096x4096 and 4096x11008 layers) ran 1.17x faster. Re-measured on an H100
@@ -130,8 +136,11 @@ class Fp8Config:
         _check_choice("compiled_casts", self.compiled_casts, COMPILED_CASTS)
         for name in ("amax_history_len", "margin", "min_features", "min_numel"):
             value = getattr(self, name)
+            if name == "min_numel" and value is None:  # the library default (see the field)
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"Fp8Config.{name} must be an int, got {type(value).__name__}")
+                kind = "an int or None" if name == "min_numel" else "an int"
+                raise TypeError(f"Fp8Config.{name} must be {kind}, got {type(value).__name__}")
         if self.amax_history_len < 1:
             raise ValueError(
                 f"Fp8Config.amax_history_len must be >= 1, got {self.amax_history_len}; "
@@ -140,7 +149,7 @@ class Fp8Config:
             raise ValueError(f"Fp8Config.margin must be >= 0, got {self.margin}")
         if self.min_features < 1:
             raise ValueError(f"Fp8Config.min_features must be >= 1, got {self.min_features}")
-        if self.min_numel < 0:
+        if self.min_numel is not None and self.min_numel < 0:
             raise ValueError(f"Fp8Config.min_numel must be >= 0, got {self.min_numel}; use 0 to "
                              "convert every eligible layer whatever its size")
         if isinstance(self.skip_module_names, str) or not all(

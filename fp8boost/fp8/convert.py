@@ -98,28 +98,42 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
         return f"shape [{n}, {k}] has a dim not divisible by 16 (FP8 tensor-core alignment)"
     if min(k, n) < config.min_features:
         return f"a dim is below min_features={config.min_features} (too small to gain)"
-    if k * n < config.min_numel and _speed_filter_applies(config):
-        return f"{k * n} weight elements < min_numel={config.min_numel} (too small to gain)"
+    limit = min_numel_limit(config, k * n)
+    if k * n < limit:
+        return f"{k * n} weight elements < min_numel={limit} (too small to gain)"
     return None
 
 
-def _speed_filter_applies(config: Fp8Config) -> bool:
-    """Whether ``min_numel`` (a speed rule) applies: always when set by the user, and for the
-    default only where FP8 can be fast (a hardware backend, or ``auto`` with an FP8 GPU here).
+def min_numel_limit(config: Fp8Config, numel: Optional[int] = None) -> int:
+    """The ``min_numel`` the default filter applies: the one place that resolves the field.
 
-    Without FP8 tensor cores (CPU, emulated) FP8 is asked for its numerics, which a size filter
-    would silently take away from every small model: there the default is waived, logged once.
+    An explicit ``config.min_numel`` (any int, ``DEFAULT_MIN_NUMEL`` included) applies as given.
+    ``None`` is the library default ``DEFAULT_MIN_NUMEL``, a speed rule, where FP8 can be fast
+    (a hardware backend, or ``auto`` with an FP8 GPU here); without FP8 tensor cores (CPU,
+    emulated) FP8 is asked for its numerics, which a size filter would silently take away from
+    every small model: there the default is waived (0), logged once when a layer of ``numel``
+    weight elements (the layer being filtered, if any) would have been kept by it.
+
+    Example:
+        >>> from fp8boost.fp8 import Fp8Config
+        >>> from fp8boost.fp8.config import DEFAULT_MIN_NUMEL
+        >>> min_numel_limit(Fp8Config(backend="cublas")) == DEFAULT_MIN_NUMEL
+        True
+        >>> min_numel_limit(Fp8Config(backend="emulated", min_numel=DEFAULT_MIN_NUMEL))
+        16777216
     """
-    if config.min_numel != DEFAULT_MIN_NUMEL or config.backend in ("triton", "cublas"):
-        return True
-    if config.backend == "auto" and _fp8_gpu_present():
-        return True
-    _state.log_once(logging.getLogger("fp8boost.fp8"), "min-numel-waived",
-                    "fp8boost: no FP8 tensor cores (emulated FP8): the default size filter "
-                    f"min_numel={DEFAULT_MIN_NUMEL} (a speed rule) is not applied, so every "
-                    "eligible layer runs FP8 numerics; set min_numel explicitly to filter",
-                    level=logging.INFO)
-    return False
+    if config.min_numel is not None:
+        return config.min_numel
+    if config.backend in ("triton", "cublas") or (
+            config.backend == "auto" and _fp8_gpu_present()):
+        return DEFAULT_MIN_NUMEL
+    if numel is not None and numel < DEFAULT_MIN_NUMEL:
+        _state.log_once(logging.getLogger("fp8boost.fp8"), "min-numel-waived",
+                        "fp8boost: no FP8 tensor cores (emulated FP8): the default size filter "
+                        f"min_numel={DEFAULT_MIN_NUMEL} (a speed rule) is not applied, so every "
+                        "eligible layer runs FP8 numerics; set min_numel explicitly to filter",
+                        level=logging.INFO)
+    return 0
 
 
 def _fp8_gpu_present() -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8.linear import Fp8Linear
+from fp8boost.fp8 import is_fp8_layer
 from fp8boost.fp8.prequantized import Fp8WeightTensor
 from fp8boost.fp8.scaling import scale_from_amax
 
@@ -53,7 +53,7 @@ def choose_plan(config: Fp8CommConfig, tied: bool, module: Optional[nn.Module],
     Fp8Linear does not unwrap; ``None`` skips that check (provisional plans of precompute).
     """
     cfg, fp8cfg = config, getattr(module, "fp8_config", None)
-    if not isinstance(module, Fp8Linear):
+    if not is_fp8_layer(module):
         why = f"its consumer is a {type(module).__name__}, not an Fp8Linear"
     elif fp8cfg.recipe != "tensorwise":
         why = (f"Fp8Linear recipe {fp8cfg.recipe!r} derives the weight scale from its own amax "

@@ -148,9 +148,9 @@ def _parallel_lm_head(model: nn.Module, head: nn.Module, group, sp: bool, n: int
 
 
 def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
-    from fp8boost.fp8.linear import Fp8Linear  # only when the model has FP8 layers
+    from fp8boost.fp8 import is_fp8_layer
 
-    if not isinstance(module, Fp8Linear):
+    if not is_fp8_layer(module):
         return False
     module.set_amax_groups({role: group for role in roles})
     return True
@@ -216,11 +216,11 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
 
 def _fp8_gather_consumer(region: str, plan: TpPlan, modules: dict):
     """(the Fp8Linear whose recipe casts the region's gathered input, None) or (None, why)."""
-    from fp8boost.fp8.linear import Fp8Linear
+    from fp8boost.fp8 import is_fp8_layer
     from fp8boost.fp8.scaling import E4M3
 
     consumers = [modules[n] for n in plan.colwise if n.startswith(region + ".")]
-    if not consumers or not all(isinstance(m, Fp8Linear) for m in consumers):
+    if not consumers or not all(is_fp8_layer(m) for m in consumers):
         return None, f"{region}'s column-parallel linears are not all Fp8Linear"
     cfgs = {(m.fp8_config.fwd_dtype, m.fp8_config.margin, m.fp8_config.power_of_2_scale,
              m.fp8_config.recipe, m.fp8_config.backend) for m in consumers}
