@@ -112,7 +112,7 @@ class OptimizerProxy:
 
     optim: torch.optim.Optimizer
 
-    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
+    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (see ``nonfinite``)
     nonfinite_guard: Optional[NonFiniteGuard] = None
     #: fp16 dynamic loss scaling; None where the wrapper has none (BF16/FP32)
     loss_scaler: Optional[DynamicLossScaler] = None

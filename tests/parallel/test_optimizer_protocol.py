@@ -89,3 +89,31 @@ def test_zero_optimizer_round_trip_through_protocol_calls() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, model_params))
     assert opt.exact_working_params() == {}
     opt.sync_master_from_model()
+
+
+@pytest.mark.parametrize("opt_cls,fused", [(torch.optim.AdamW, None), (torch.optim.AdamW, False),
+                                           (torch.optim.SGD, False)])
+def test_master_weight_optimizer_is_zero_at_one_rank(opt_cls, fused) -> None:
+    """The master-weight layer alone steps exactly as ZeroOptimizer without a dp group."""
+    from fp8boost.parallel.zero import MasterWeightOptimizer
+
+    torch.manual_seed(0)
+    a = nn.Linear(8, 8).to(torch.bfloat16)
+    b = nn.Linear(8, 8).to(torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    kw = {"lr": 0.1}
+    oa = ZeroOptimizer(opt_cls(a.parameters(), **kw), max_norm=0.5, fused_master_step=fused)
+    ob = MasterWeightOptimizer(opt_cls(b.parameters(), **kw), max_norm=0.5,
+                               fused_master_step=fused)
+    assert isinstance(ob, BoostedOptimizer) and isinstance(ob, ShardedCheckpointState)
+    assert oa.uses_fused_step == ob.uses_fused_step == (fused is None)
+    for step in range(3):
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.backward(model(x).float().pow(2).mean() * (step + 1))
+            opt.step()
+            opt.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    for ma, mb in zip(oa.full_master_params(), ob.full_master_params()):
+        assert torch.equal(ma, mb)

@@ -1,4 +1,4 @@
-"""ZeRO stage 1/2 optimizer wrapper: low-precision working params, sharded FP32 master state.
+"""ZeRO stage 1/2 optimizer: low-precision working params, sharded FP32 master state.
 
 Layout per data-parallel rank (``world`` ranks, see ``sharding.py``):
 
@@ -11,14 +11,17 @@ Layout per data-parallel rank (``world`` ranks, see ``sharding.py``):
   steps the wrapped optimizer on the master chunks and all-gathers the updated chunks back into
   the working parameters (in FP8 when ``fp8_communication``).
 
-With ``dp_group=None`` (world 1) no collective is ever issued: the same class is then the plain
-mixed-precision "master weights" optimizer used by ``Booster(mixed_precision=...)`` and by DDP.
+The master-weight part (FP32 masters, loss scaling, overflow check, clipping, the fused AdamW
+step, the checkpoint protocol) is :class:`~.master.MasterWeightOptimizer`; this class adds the
+data-parallel sharding on top, and takes the FP8 direct gather (:class:`~.direct_gather.
+DirectGather`) as a collaborator. With ``dp_group=None`` (world 1) no collective is ever issued:
+it is then the plain mixed-precision "master weights" optimizer used by
+``Booster(mixed_precision=...)`` and by DDP.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -27,12 +30,16 @@ import torch.distributed as dist
 from fp8boost import _state
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy
 
-from .buckets import Collectives, GradReducer, _all_gather_single, all_gather_params
+from .buckets import Collectives, GradReducer, all_gather_params
+from .direct_gather import DirectGather
 from .loss_scaler import DynamicLossScaler
-from .sharding import ParamShard, make_shard
+from .master import MasterWeightOptimizer
+from .sharding import ParamShard
+
+__all__ = ["ZeroOptimizer", "OptimizerProxy", "GRAD_RS_WHY"]
 
 
-class ZeroOptimizer(OptimizerProxy):
+class ZeroOptimizer(MasterWeightOptimizer):
     """Wrap a torch optimizer so its master weights and state are sharded over ``dp_group``.
 
     Build the torch optimizer on the model's (already low-precision) parameters, then wrap it.
@@ -68,6 +75,10 @@ class ZeroOptimizer(OptimizerProxy):
             and the two-pass step runs; None: the same choice without the warning (the
             ``Booster`` default); False: always the two-pass step.
 
+    Attributes:
+        fp8_direct: the FP8 direct all-gather (:class:`~.direct_gather.DirectGather`) the
+            parameter gather consults; bound to a model by :meth:`bind_fp8_layers`.
+
     Example:
         >>> import torch
         >>> model = torch.nn.Linear(16, 16).to(torch.bfloat16)
@@ -91,38 +102,20 @@ class ZeroOptimizer(OptimizerProxy):
             raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
         if not isinstance(reduce_bucket_numel, int) or reduce_bucket_numel < 1:
             raise ValueError(f"reduce_bucket_numel must be a positive int, got {reduce_bucket_numel!r}")
-        if not (isinstance(max_norm, (int, float)) and max_norm >= 0):
-            raise ValueError(f"max_norm must be >= 0 (0 disables clipping), got {max_norm!r}")
-        self.optim = optimizer
         self.dp_group = dp_group
         # dp_world: ranks gradients are averaged over; world: ranks the state is split over
         # (stage 0 keeps whole masters on every rank and only all-reduces gradients).
         self.dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.world = 1 if stage == 0 else self.dp_world
-        self.rank = dist.get_rank(dp_group) if dp_group is not None and stage else 0
-        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 \
-            else None
-        tp_ids = {id(p) for p in tp_replicated} if tp_replicated is not None else set()
-        # Pipeline stages hold different parameters: the norm and overflow check span them.
-        self.pp_group = pp_group if pp_group is not None and dist.get_world_size(pp_group) > 1 \
-            else None
-        pp_skip = {id(p) for p in pp_counted_elsewhere or ()}
-        self.stage, self.master_weights, self.overlap = stage, master_weights, overlap_communication
-        self.bucket_numel, self.max_norm, self.cpu_offload = reduce_bucket_numel, float(max_norm), cpu_offload
-        self.loss_scaler = loss_scaler
-        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        self.shards: list[ParamShard] = [make_shard(i, p, self.world, self.rank)
-                                         for i, p in enumerate(self.params)]
-        self.masters: list[torch.Tensor] = [self._make_master(p, s)
-                                            for p, s in zip(self.params, self.shards)]
-        it = iter(self.masters)
-        for group in optimizer.param_groups:  # the wrapped optimizer now steps the master chunks
-            group["params"] = [next(it) for _ in group["params"]]
-        self._grad_shards: list[Optional[torch.Tensor]] = [None] * len(self.params)
-        # Norm weight per parameter: a tensor replicated over tp is counted once, not tp times.
-        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-        self._norm_weight = [0.0 if id(p) in pp_skip else 1.0 / tp if id(p) in tp_ids else 1.0
-                             for p in self.params]  # pp_skip: a tied copy another stage counts
+        world = 1 if stage == 0 else self.dp_world
+        rank = dist.get_rank(dp_group) if dp_group is not None and stage else 0
+        self.stage, self.overlap = stage, overlap_communication
+        self.bucket_numel = reduce_bucket_numel
+        super().__init__(optimizer, master_weights=master_weights, max_norm=max_norm,
+                         cpu_offload=cpu_offload, loss_scaler=loss_scaler, tp_group=tp_group,
+                         tp_replicated=tp_replicated, pp_group=pp_group,
+                         pp_counted_elsewhere=pp_counted_elsewhere,
+                         fused_master_step=fused_master_step, shard_world_size=world,
+                         shard_rank=rank)
         if fp8_reduce_scatter and not fp8_communication:
             raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
         self.comm_report = _comm_report(fp8_communication, fp8_reduce_scatter, self.dp_world)
@@ -134,54 +127,22 @@ class ZeroOptimizer(OptimizerProxy):
         fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
         self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
                                 for p in self.params]
-        self._fused = fused_master_step is not False and self._fused_step_applies(
-            warn=fused_master_step is True)
-        self._grad_mul = 1.0  # the clipping coefficient, applied inside the fused step
+        fp8_wire = self._comm is not None and self._comm.fp8 and self.world > 1
+        self.fp8_direct = DirectGather(self.params, [s.shape for s in self.shards],
+                                       [fp8_wire and m for m in self.fp8_gather_mask],
+                                       self._comm.comm_config if self._comm is not None else None)
         self._sync = True
         self._unsynced_grads = False
-        self._prepared = False
-        self._found_inf = False
         self._hooks = []
         if self.dp_world > 1:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
-    @staticmethod
-    def validate(optimizer: torch.optim.Optimizer) -> None:
-        """Raise before any communication if ``optimizer`` cannot be wrapped."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if len(optimizer.state) > 0:
-            raise ValueError("the optimizer already has state (was it stepped?); build a fresh one "
-                             "for boost() and restore state with booster.load_optimizer()")
-        seen: set[int] = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError("a parameter appears twice in the optimizer's param_groups; "
-                                     "pass each parameter once")
-                seen.add(id(p))
-                if not p.is_floating_point():
-                    raise TypeError(f"optimizer parameters must be floating point, got {p.dtype}")
-
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, "
                 f"master_weights={self.master_weights}, cpu_offload={self.cpu_offload}, "
                 f"optimizer={type(self.optim).__name__})")
-
-    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
-    nonfinite_guard = None
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss.backward()`` with loss scaling, then finish this backward's gradient reduction."""
-        if self.nonfinite_guard is not None:
-            self.nonfinite_guard.observe_loss(loss)
-        if self.loss_scaler is not None:
-            loss = loss * self.loss_scaler.scale
-        loss.backward(retain_graph=retain_graph)
-        if self._sync and self._reducer is not None:
-            self._reducer.flush()
 
     def reduce_gradients(self) -> None:
         """Reduce over dp every gradient accumulated so far (collective).
@@ -211,91 +172,45 @@ class ZeroOptimizer(OptimizerProxy):
             self._sync = old
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
-        self._grad_shards = [None] * len(self.params)
-        self._grad_mul = 1.0
-        self._prepared = self._found_inf = False
+        super().zero_grad(set_to_none)
         self._unsynced_grads = False
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the (unscaled, averaged) gradients to a global norm over all shards.
+    # --------------------------------------------------- the data-parallel layer's hooks
+    def _after_backward(self) -> None:
+        if self._sync and self._reducer is not None:
+            self._reducer.flush()
 
-        Returns the total norm before clipping (Inf when FP16 gradients overflowed).
-        """
-        self._prepare_grads()
-        if self._found_inf:
-            return torch.tensor(float("inf"))
-        # The fused step keeps the coefficient aside (its BF16 gradients are scaled in FP32
-        # inside the update), so the gradients to measure are the raw ones times it: a second
-        # call then sees what the first one left, as with the scaled FP32 copies.
-        total = self._global_norm(norm_type) * self._grad_mul
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0 and self._fused:
-            self._grad_mul *= coef
-        elif coef < 1.0:
-            for g in self._grad_shards:
-                if g is not None:
-                    g.mul_(coef)
-        return torch.tensor(total)
+    def _collect_grads(self) -> None:
+        """Finish the reduction; stage 1 (and one shard) then takes chunks of ``param.grad``,
+        stage 2 already holds its reduce-scattered chunks."""
+        if self._unsynced_grads:
+            raise RuntimeError("gradients were accumulated under no_sync() but never reduced: run "
+                               "the last micro-batch's backward outside no_sync() before step()")
+        if self._reducer is not None:
+            self._reducer.flush()  # no-op after optimizer.backward(); needed after loss.backward()
+        if self.world == 1 or self.stage == 1:
+            super()._collect_grads()
 
-    def step(self, closure=None) -> None:
-        """Reduce (if still pending), unscale, clip, step the master chunks, gather params."""
-        if closure is not None:
-            raise ValueError("ZeroOptimizer.step() takes no closure; compute the loss first")
-        self._prepare_grads()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(self._found_inf)
-        if self._found_inf:  # skip the step on every rank alike (found_inf was all-reduced)
-            self.zero_grad()
-            return
-        if self.max_norm > 0:
-            self.clip_grad_norm_(self.max_norm)
-        if self._fused:
-            from .fused_step import fused_adamw_step
-            fused_adamw_step(self.optim, self.masters, self._grad_shards, self.params,
-                             self._grad_mul)
-            self.zero_grad()
-            return
-        for m, g in zip(self.masters, self._grad_shards):
-            m.grad = None if g is None else g.to(device=m.device, dtype=m.dtype)
-        self.optim.step()
-        for m in self.masters:
-            m.grad = None
+    def _flag_groups(self) -> list:
+        # Every dp rank skips alike, stage 0 included (its ranks step whole masters).
+        return ([self.dp_group] if self.dp_world > 1 else []) + super()._flag_groups()
+
+    def _norm_groups(self) -> list:
+        # Stage 0 ranks hold the same all-reduced gradients: summing over dp would count them
+        # dp times.
+        return ([self.dp_group] if self.world > 1 else []) + super()._norm_groups()
+
+    def _publish(self) -> None:
         all_gather_params(self.params, self.shards, self.masters, self.world,
                           self.bucket_numel, self._comm, self.fp8_gather_mask,
-                          direct=self._fp8_direct_plan())
-        self.zero_grad()
+                          direct=self.fp8_direct.plan())
 
-    # ---------------------------------------------------------------------------- internals
-    def _fused_step_applies(self, warn: bool) -> bool:
-        from .fused_step import unsupported_reason
-
-        why = unsupported_reason(self.optim) or (
-            "the state is sharded over ranks" if self.world > 1 else
-            "master_weights=False" if not self.master_weights else
-            "cpu_offload=True" if self.cpu_offload else
-            "FP16 loss scaling" if self.loss_scaler is not None else None)
-        if why is not None and warn:
-            _state.warn_once(f"fused-master-step-{why}", "fp8boost: fused_master_step=True does "
-                             f"not apply ({why}); using the two-pass master-weight step")
-        elif why is not None:  # the default asked for nothing: say it, but only at INFO
-            _state.log_once(logging.getLogger("fp8boost.parallel.zero"),
-                            f"fused-master-step-auto-{why}", "fp8boost: the fused master step "
-                            f"does not apply ({why}); using the two-pass master-weight step",
-                            level=logging.INFO)
-        return why is None
-
-    def _make_master(self, p: torch.Tensor, s: ParamShard) -> torch.Tensor:
-        dtype = torch.float32 if self.master_weights else p.dtype
-        device = torch.device("cpu") if self.cpu_offload else p.device
-        master = torch.zeros(s.chunk, dtype=dtype, device=device)
-        master[: s.length].copy_(p.detach().reshape(-1)[s.start:s.end])
-        return master
+    def _full_chunk(self, chunk: torch.Tensor, shard: ParamShard) -> torch.Tensor:
+        if self.world == 1:
+            return chunk
+        full = torch.empty(self.world * shard.chunk, dtype=chunk.dtype, device=chunk.device)
+        self._comm.all_gather(full, chunk, fp8=False).wait()  # exact FP32: never on the FP8 wire
+        return full
 
     def _hook(self, index: int):
         def hook(_param: torch.Tensor) -> None:
@@ -310,80 +225,7 @@ class ZeroOptimizer(OptimizerProxy):
         cur = self._grad_shards[index]
         self._grad_shards[index] = chunk if cur is None else cur.add_(chunk)
 
-    def _prepare_grads(self) -> None:
-        """Once per step: finish reduction, take FP32 chunks, unscale, detect overflow."""
-        if self._prepared:
-            return
-        if self._unsynced_grads:
-            raise RuntimeError("gradients were accumulated under no_sync() but never reduced: run "
-                               "the last micro-batch's backward outside no_sync() before step()")
-        if self._reducer is not None:
-            self._reducer.flush()  # no-op after optimizer.backward(); needed after loss.backward()
-        if self.world == 1 or self.stage == 1:
-            for i, (p, s) in enumerate(zip(self.params, self.shards)):
-                if p.grad is not None:  # the fused step reads the BF16 gradient itself
-                    self._grad_shards[i] = (p.grad.detach().reshape(-1) if self._fused
-                                            else self._chunk_of(p.grad, s))
-        grads = [g for g in self._grad_shards if g is not None]
-        if self.loss_scaler is not None:
-            inv = 1.0 / self.loss_scaler.scale
-            found = torch.zeros((), dtype=torch.float32, device=self._comm_device())
-            for g in grads:
-                found = torch.maximum(found, (~torch.isfinite(g)).any().to(found))
-                g.mul_(inv)
-            if self.dp_world > 1:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dp_group)
-            if self.tp_group is not None:  # tp ranks hold different shards: skip alike
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.tp_group)
-            if self.pp_group is not None:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.pp_group)
-            self._found_inf = bool(found.item())
-        elif self.nonfinite_guard is not None:  # fp16 keeps the loss scaler's overflow skip
-            # One fused check across ranks; a bad step is skipped below like an fp16 overflow.
-            self._found_inf = self.nonfinite_guard.check(self._grad_shards, self.params)
-        self._prepared = True
-
-    def _chunk_of(self, grad: torch.Tensor, s: ParamShard) -> torch.Tensor:
-        flat = grad.detach().reshape(-1)
-        if s.chunk == s.numel and s.start == 0:
-            return flat.float().clone() if flat.dtype == torch.float32 else flat.float()
-        out = torch.zeros(s.chunk, dtype=torch.float32, device=grad.device)
-        out[: s.length].copy_(flat[s.start:s.end])
-        return out
-
-    def _comm_device(self) -> torch.device:
-        for g in self._grad_shards:
-            if g is not None:
-                return g.device
-        return self.params[0].device if self.params else torch.device("cpu")
-
-    def _global_norm(self, norm_type: float) -> float:
-        """Norm over every shard on every dp rank and, with ``tp_group``, every tp rank."""
-        pairs = [(g, w) for g, w in zip(self._grad_shards, self._norm_weight) if g is not None]
-        local = torch.zeros((), dtype=torch.float32, device=self._comm_device())
-        inf = norm_type == math.inf
-        if pairs:
-            # In FP32 also for BF16 gradients (the fused step's): a BF16 norm would round.
-            local = (torch.stack([g.abs().max().float() for g, _ in pairs]).max() if inf else
-                     torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                                  ** norm_type * w for g, w in pairs]).sum())
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if self.world > 1:
-            dist.all_reduce(local, op=op, group=self.dp_group)
-        if self.tp_group is not None:
-            dist.all_reduce(local, op=op, group=self.tp_group)
-        if self.pp_group is not None:
-            dist.all_reduce(local, op=op, group=self.pp_group)
-        return float(local) if inf else float(local) ** (1.0 / norm_type)
-
     # ---------------------------------------------------------------------------- checkpoints
-    def sync_master_from_model(self) -> None:
-        """Re-read master chunks from the working params (after loading model weights)."""
-        with torch.no_grad():
-            for p, s, m in zip(self.params, self.shards, self.masters):
-                m.zero_()
-                m[: s.length].copy_(p.detach().reshape(-1)[s.start:s.end])
-
     def exact_working_params(self) -> dict[int, torch.Tensor]:
         """``{id(param): master cast to the param dtype}`` for params gathered in FP8 (collective).
 
@@ -395,85 +237,13 @@ class ZeroOptimizer(OptimizerProxy):
         return {id(p): w.to(p.dtype) for p, w, fp8 in zip(self.params, full, self.fp8_gather_mask)
                 if fp8}
 
-    def full_master_params(self) -> list[torch.Tensor]:
-        """Every parameter's full master weights (FP32), gathered on every rank (collective)."""
-        out = []
-        for s, m in zip(self.shards, self.masters):
-            chunk = m.to(self.params[s.index].device)
-            if self.world > 1:
-                full = torch.empty(self.world * s.chunk, dtype=m.dtype, device=chunk.device)
-                _all_gather_single(full, chunk, self.dp_group).wait()
-            else:
-                full = chunk
-            out.append(full[: s.numel].view(s.shape).clone())
-        return out
-
-    @property
-    def shard_world_size(self) -> int:
-        """Ranks the state is split over (1: replicated, any rank holds all of it)."""
-        return self.world
-
-    @property
-    def shard_rank(self) -> int:
-        return self.rank
-
-    def checkpoint_layout(self) -> list[ParamShard]:
-        """Per parameter: which range of the flattened full state this rank holds."""
-        return list(self.shards)
-
-    def checkpoint_state(self) -> tuple[dict, dict, list[dict], dict]:
-        """This rank's state: (sharded pieces, replicated values, param_groups, extra).
-
-        Sharded pieces are 1-D tensors covering ``[shard.start, shard.end)`` of the flattened
-        full-size state (padding dropped). ``master_param`` holds the FP32 master chunk.
-        """
-        sd = self.optim.state_dict()
-        sharded: dict[int, dict] = {}
-        replicated: dict[int, dict] = {}
-        for i, (s, m) in enumerate(zip(self.shards, self.masters)):
-            sharded[i] = {"master_param": m[: s.length]}
-            replicated[i] = {}
-            for key, value in sd["state"].get(i, {}).items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.shape == m.shape and key != "step":
-                    sharded[i][key] = value[: s.length]
-                else:
-                    replicated[i][key] = value
-        extra = {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler else {}
-        return sharded, replicated, sd["param_groups"], extra
-
-    def load_checkpoint_state(self, sharded: dict, replicated: dict, param_groups: list[dict],
-                              extra: dict) -> None:
-        """Inverse of ``checkpoint_state`` (pieces already cut to this rank's ranges)."""
-        state: dict[int, dict] = {}
-        for i, (s, m) in enumerate(zip(self.shards, self.masters)):
-            entry = dict(replicated.get(i, {}))
-            for key, piece in sharded.get(i, {}).items():
-                full = torch.zeros(s.chunk, dtype=piece.dtype)
-                full[: s.length].copy_(piece.reshape(-1))
-                if key == "master_param":
-                    with torch.no_grad():
-                        m.copy_(full)
-                else:
-                    entry[key] = full
-            if entry:
-                state[i] = entry
-        self.optim.load_state_dict({"state": state, "param_groups": param_groups})
-        if self.loss_scaler is not None and "loss_scaler" in extra:
-            self.loss_scaler.load_state_dict(extra["loss_scaler"])
-        if any("master_param" in d for d in sharded.values()):
-            # Working params = gathered masters, exactly as after a step (FP8-rounded where the
-            # gather is FP8), so a resumed run continues bit-identically.
-            all_gather_params(self.params, self.shards, self.masters, self.world,
-                              self.bucket_numel, self._comm, self.fp8_gather_mask,
-                              direct=self._fp8_direct_plan())
-
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the optimizer stops working for distributed training)
         and the bound layers' operand hooks (:meth:`bind_fp8_layers`)."""
-        for h in self._hooks + self.__dict__.get("_direct_hooks", []):
+        for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._direct_hooks = []
+        self.fp8_direct.remove_hooks()
 
     # ------------------------------------------------------------- direct FP8 weight operands
     def bind_fp8_layers(self, model: torch.nn.Module) -> None:
@@ -486,31 +256,7 @@ class ZeroOptimizer(OptimizerProxy):
         :mod:`fp8boost.parallel.zero.direct_plan`); the others keep the regular FP8 gather,
         with the reason logged once.
         """
-        from fp8boost.parallel.zero.direct_plan import build_direct_plan, weight_owners
-        fp8 = self._comm is not None and self._comm.fp8 and self.world > 1
-        mask = [fp8 and m for m in self.fp8_gather_mask]
-        for h in self.__dict__.get("_direct_hooks", []):  # bound again: the old plan's hooks go
-            h.remove()
-        self._fp8_direct = build_direct_plan(self.params, [s.shape for s in self.shards], mask,
-                                             weight_owners(model), self._comm.comm_config
-                                             if self._comm is not None else None)
-        # Each direct layer gets its operand back after another optimizer's step (the layer
-        # drops it at every step in the process; see direct_plan's module docstring).
-        self._direct_hooks = self._fp8_direct.attach()
-
-    def _fp8_direct_plan(self):
-        """The bound direct plan, or None (unbound: logged once, weights are re-cast by layers)."""
-        plan = self.__dict__.get("_fp8_direct")
-        if plan is None and self._comm is not None and self._comm.fp8 and self.world > 1 \
-                and any(self.fp8_gather_mask):
-            import logging
-
-            from fp8boost import _state
-            _state.log_once(logging.getLogger("fp8boost.parallel.zero"), "zero-fp8-ag-unbound",
-                            "fp8boost: ZeRO FP8 all-gather decodes weights and Fp8Linear re-casts "
-                            "them: no model was bound (ZeroOptimizer.bind_fp8_layers), so the "
-                            "optimizer does not know which layers consume its parameters")
-        return plan or None
+        self.fp8_direct.bind(model)
 
 
 GRAD_RS_WHY = ("gradients reduce in their own dtype: FP8 reduce-scatter including its casts "
