@@ -76,7 +76,7 @@ def _zero2_run(rank: int, world_size: int, fp8: bool) -> list[float]:
     if fp8:  # FP8 GEMMs, and FP8 on the wire both ways (parameter all-gather, gradients)
         kw = dict(use_fp8=True, fp8_communication=True, fp8_reduce_scatter=True,
                   fp8_config=Fp8Config(backend="emulated", min_numel=0),
-                  comm_config=Fp8CommConfig(min_numel=0))
+                  comm_config=Fp8CommConfig(min_payload_numel=0))
     booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="bf16", **kw))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model, opt, *_ = booster.boost(model, opt)

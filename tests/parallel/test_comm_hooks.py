@@ -57,7 +57,7 @@ def _check_ddp(rank: int, ws: int) -> None:
 
     local = _mlp(0)
     fp8_ddp = DDP(copy.deepcopy(local), bucket_cap_mb=0.004)  # several buckets
-    register_fp8_comm_hook(fp8_ddp, config=Fp8CommConfig(min_numel=0))
+    register_fp8_comm_hook(fp8_ddp, config=Fp8CommConfig(min_payload_numel=0))
     ref_ddp = DDP(copy.deepcopy(local), bucket_cap_mb=0.004)
     opt_f = torch.optim.SGD(fp8_ddp.parameters(), lr=0.05)
     opt_r = torch.optim.SGD(ref_ddp.parameters(), lr=0.05)
@@ -106,7 +106,7 @@ def _check_ddp_first_step(rank: int, ws: int) -> None:
     from fp8boost.parallel.ddp.hooks import Fp8CommHookState, fp8_allreduce_hook, \
         register_fp8_comm_hook
 
-    cfg = Fp8CommConfig(min_numel=0)
+    cfg = Fp8CommConfig(min_payload_numel=0)
     local = _mlp(0)
     x, y = _batch(rank, 7)
 
@@ -156,7 +156,7 @@ def _check_fsdp(rank: int, ws: int) -> None:
                                             precompute_fp8_all_gather_scales,
                                             set_fp8_reduce_scatter)
 
-    cfg = Fp8CommConfig(min_numel=0)
+    cfg = Fp8CommConfig(min_payload_numel=0)
     torch.manual_seed(1)
     # 33 rows shard unevenly; 3 rows leave rank 3 of 4 an empty shard
     model = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 3), nn.Tanh(),

@@ -202,7 +202,7 @@ def _check_p2p(rank, ws, fc, cfg):
 def _check_fallbacks_and_errors(rank, ws, fc, cfg):
     from fp8boost.parallel.comm.config import Fp8CommConfig
     x = make(rank, (4, 8), torch.bfloat16, seed=9)
-    big = Fp8CommConfig(min_numel=10**9)
+    big = Fp8CommConfig(min_payload_numel=10**9)
     exact = torch.cat([make(r, (4, 8), torch.bfloat16, seed=9) for r in range(ws)])
     assert torch.equal(fc.all_gather_fp8(x, config=big), exact)  # plain collective: exact
     assert was_logged(("fp8_comm", "all_gather", "small"))
@@ -278,7 +278,7 @@ def _check_wire_bytes(rank, ws, fc, cfg):
 def _worker(rank, ws, with_extras):
     from fp8boost.parallel.comm import collectives as fc
     from fp8boost.parallel.comm.config import Fp8CommConfig
-    cfg = Fp8CommConfig(min_numel=0, cast_impl="torch")
+    cfg = Fp8CommConfig(min_payload_numel=0, cast_impl="torch")
     # pipeline_bytes=64: these small payloads run in 2-4 stages, each with its own scales
     for c in (cfg, cfg.replace(pipeline_bytes=64)):
         _check_all_gather(rank, ws, fc, c)
@@ -310,8 +310,8 @@ def _check_triton_interpreter(rank, ws, fc):
     from fp8boost.parallel.comm._utils import triton_selftest
     ok, why = triton_selftest(torch.device("cpu"))  # runs every kernel; the interpreter's own
     assert isinstance(ok, bool) and (ok or why)      # FP8 rounding may fail the byte check
-    tri = Fp8CommConfig(min_numel=0, cast_impl="triton")
-    ref = Fp8CommConfig(min_numel=0, cast_impl="torch")
+    tri = Fp8CommConfig(min_payload_numel=0, cast_impl="triton")
+    ref = Fp8CommConfig(min_payload_numel=0, cast_impl="torch")
     for dt in (E4M3, E5M2):
         x = _exact_fp8_values(rank, 300, dt, seed=11)
         a = fc.all_gather_fp8(x, fp8_dtype=dt, config=tri)
@@ -400,8 +400,8 @@ def test_fallback_logging_names_the_reason(caplog):
     from fp8boost import _state
     _state.forget_logged(("fp8_comm", "unit", "small"))
     with caplog.at_level(logging.WARNING, logger="fp8boost.parallel.fp8_comm"):
-        plan = fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_numel=10))
-        fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_numel=10))
+        plan = fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_payload_numel=10))
+        fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_payload_numel=10))
     assert plan == "plain"
     msgs = [r.getMessage() for r in caplog.records if "unit" in r.getMessage()]
-    assert len(msgs) == 1 and "min_numel" in msgs[0]
+    assert len(msgs) == 1 and "min_payload_numel" in msgs[0]

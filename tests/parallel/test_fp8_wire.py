@@ -80,20 +80,20 @@ def test_dequantize_sum_matches_fp32_reference():
 
 def test_config_validation():
     cfg = Fp8CommConfig()
-    assert cfg.param_dtype == E4M3 and cfg.grad_dtype == E5M2 and cfg.min_numel >= 0
+    assert cfg.param_dtype == E4M3 and cfg.grad_dtype == E5M2 and cfg.min_payload_numel >= 0
     with pytest.raises(ValueError, match="param_dtype"):
         Fp8CommConfig(param_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="min_numel"):
-        Fp8CommConfig(min_numel=-1)
-    with pytest.raises(TypeError, match="min_numel"):
-        Fp8CommConfig(min_numel=1.5)
+    with pytest.raises(ValueError, match="min_payload_numel"):
+        Fp8CommConfig(min_payload_numel=-1)
+    with pytest.raises(TypeError, match="min_payload_numel"):
+        Fp8CommConfig(min_payload_numel=1.5)
     with pytest.raises(ValueError, match="all_gather_scale"):
         Fp8CommConfig(all_gather_scale="global")
     with pytest.raises(ValueError, match="cast_impl"):
         Fp8CommConfig(cast_impl="cuda")
     with pytest.raises(TypeError, match="enabled"):
         Fp8CommConfig(enabled=1)
-    assert cfg.replace(min_numel=0).min_numel == 0
+    assert cfg.replace(min_payload_numel=0).min_payload_numel == 0
     with pytest.raises(TypeError):
         Fp8CommConfig(True)  # keyword-only
 

@@ -106,7 +106,7 @@ def _check_direct(rank: int, ws: int) -> None:
     model = _model(cfg)
     ref = copy.deepcopy(model)  # single process, whole weights, both ranks' batches
     mesh = init_device_mesh("cpu", (ws,))
-    assert _shard(model, mesh, Fp8CommConfig(min_numel=0)) == [f"{i}.weight" for i in LIN]
+    assert _shard(model, mesh, Fp8CommConfig(min_payload_numel=0)) == [f"{i}.weight" for i in LIN]
     seen: dict = {}
     for i in LIN:
         model[i].register_forward_pre_hook(
@@ -180,7 +180,7 @@ def _check_bf16_params(rank: int, ws: int) -> None:
     model = _model(_cfg(), seed=3)
     single = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (ws,))
-    enable_fp8_all_gather(model, Fp8CommConfig(min_numel=0))
+    enable_fp8_all_gather(model, Fp8CommConfig(min_payload_numel=0))
     # one FSDP unit holding all three layers (as a plugin shards a transformer block)
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     seen = {}
@@ -224,7 +224,7 @@ def _check_dequantize_paths(rank: int, ws: int) -> None:
     from fp8boost.fp8.prequantized import Fp8WeightTensor
     from fp8boost.parallel.comm.config import Fp8CommConfig
 
-    comm = Fp8CommConfig(min_numel=0)
+    comm = Fp8CommConfig(min_payload_numel=0)
     # (e) delayed scaling: logged dequantize path, still trains
     losses, w = _dequantize_run(_model(_cfg(recipe="delayed")), comm, rank, ws, steps=5)
     assert type(w) is nn.Parameter and _logged_dequantize("delayed")
@@ -320,7 +320,7 @@ def test_gather_plan_reasons():
     assert "not 2-D" in choose_plan(comm, False, lin, torch.Size([16, 32])).reason  # TP-local
     assert "delayed" in choose_plan(comm, False, _model(_cfg(recipe="delayed"))[0], None).reason
     plain = choose_plan(comm, False, nn.Linear(32, 64), None)
-    assert not plain.direct and plain.power_of_2 == comm.power_of_2_scale
+    assert not plain.direct and plain.power_of_2 == comm.power_of_2_wire_scale
 
 
 def test_compiled_fp8linear_consumes_the_carrier():

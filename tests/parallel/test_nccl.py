@@ -28,7 +28,7 @@ def _collectives(rank, world):
     from fp8boost.parallel.fp8_comm import all_gather_fp8, all_reduce_fp8, reduce_scatter_fp8
 
     dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = Fp8CommConfig(min_numel=0)
+    cfg = Fp8CommConfig(min_payload_numel=0)
     xs = [(torch.randn(8192, 96, generator=torch.Generator().manual_seed(r)) * (r + 1))
           .to(dev, torch.bfloat16) for r in range(world)]
     x = xs[rank]
@@ -89,7 +89,7 @@ def _zero2(rank, world):
     ref_losses = _train(ref, m, o, 0, 1, dev)
     model = _make()
     plugin = LowLevelZeroPlugin(stage=2, use_fp8=True, fp8_communication=True, fp8_config=fp8,
-                                comm_config=Fp8CommConfig(min_numel=0))
+                                comm_config=Fp8CommConfig(min_payload_numel=0))
     booster = Booster(plugin=plugin, device=dev)
     model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert sum(isinstance(mod, Fp8Linear) for mod in model.modules()) == 2
@@ -123,7 +123,7 @@ def _fsdp_plugins(rank, world):
     for cls in (GeminiPlugin, TorchFSDPPlugin):
         model = _make()
         plugin = cls(precision="bf16", use_fp8=True, fp8_communication=True, fp8_config=fp8,
-                     comm_config=Fp8CommConfig(min_numel=0))
+                     comm_config=Fp8CommConfig(min_payload_numel=0))
         booster = Booster(plugin=plugin, device=dev)
         model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         assert sum(isinstance(mod, Fp8Linear) for mod in model.modules()) == 2
@@ -195,7 +195,7 @@ def _pipeline(rank, world):
         ref_losses.append(loss.item())
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, zero_stage=0, use_fp8=True,
                                   fp8_communication=True, fp8_config=fp8,
-                                  comm_config=Fp8CommConfig(min_numel=0))
+                                  comm_config=Fp8CommConfig(min_payload_numel=0))
     booster = Booster(plugin=plugin, device=dev)
     pm = model()
     wrapped, opt, *_ = booster.boost(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3))

@@ -57,7 +57,7 @@ def test_microbatch_count() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_boundary_is_quantize_dequantize(dtype) -> None:
     torch.manual_seed(0)
-    cfg = Fp8CommConfig(min_numel=0)
+    cfg = Fp8CommConfig(min_payload_numel=0)
     x = (torch.randn(3, 5, 24) * torch.logspace(-3, 2, 24)).to(dtype)
     for dt in (E4M3, E5M2):
         c = encode_fp8(x, dt, cfg)
@@ -80,13 +80,15 @@ def test_fp8_boundary_is_quantize_dequantize(dtype) -> None:
 
 def test_boundary_fallbacks_are_reported_and_logged(caplog) -> None:
     x = torch.randn(2, 4, 8)
-    plan = BoundaryPlan(enabled=True, cfg=Fp8CommConfig(min_numel=1000), same_rank={1: True})
+    plan = BoundaryPlan(enabled=True, cfg=Fp8CommConfig(min_payload_numel=1000),
+                        same_rank={1: True})
     with caplog.at_level(logging.INFO, logger="fp8boost.parallel.pipeline"):
-        assert plan.encode(x, 0) is x  # 64 elements < min_numel
+        assert plan.encode(x, 0) is x  # 64 elements < min_payload_numel
         assert plan.encode(x, 1) is x  # both stages on one rank
-    assert "min_numel" in plan.report["stage 0->1"] and "one rank" in plan.report["stage 1->2"]
+    assert "min_payload_numel" in plan.report["stage 0->1"]
+    assert "one rank" in plan.report["stage 1->2"]
     assert "stays in the training dtype" in caplog.text
-    off = BoundaryPlan(enabled=False, cfg=Fp8CommConfig(min_numel=0))
+    off = BoundaryPlan(enabled=False, cfg=Fp8CommConfig(min_payload_numel=0))
     assert off.wire_meta(0, (2, 4, 8), torch.bfloat16) == ((2, 4, 8), torch.bfloat16)
 
 

@@ -28,7 +28,7 @@ E4M3 = torch.float8_e4m3fn
 def _cfgs(**kw):
     from fp8boost.fp8 import Fp8Config
     from fp8boost.parallel.comm.config import Fp8CommConfig
-    return Fp8Config(backend="emulated", min_numel=0, **kw), Fp8CommConfig(min_numel=0)
+    return Fp8Config(backend="emulated", min_numel=0, **kw), Fp8CommConfig(min_payload_numel=0)
 
 
 def _model():

@@ -54,7 +54,7 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
         tp_size=tp, pp_size=pp, zero_stage=zero, precision=precision, use_fp8=fp8,
         fp8_communication=comm, fp8_config=cfg, max_norm=1.0, pp_style=style,
         num_model_chunks=chunks, num_microbatches=microbatches, microbatch_size=microbatch_size,
-        enable_sequence_parallelism=sp, comm_config=Fp8CommConfig(min_numel=0))
+        enable_sequence_parallelism=sp, comm_config=Fp8CommConfig(min_payload_numel=0))
     booster = Booster(plugin=plugin, device="cpu")
     wrapped, opt, *_ = booster.boost(model, opt)
     if hooks is not None:

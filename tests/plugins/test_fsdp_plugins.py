@@ -81,7 +81,7 @@ def _plugin(kind: str, variant: str, **kw):
     if variant.startswith("fp8"):
         kw.update(use_fp8=True, fp8_config=Fp8Config(backend="emulated", min_numel=0))
     if variant in ("bf16c", "fp8c", "fp8rs"):  # min_numel=0: tiny payloads still go FP8
-        kw.update(fp8_communication=True, comm_config=Fp8CommConfig(min_numel=0))
+        kw.update(fp8_communication=True, comm_config=Fp8CommConfig(min_payload_numel=0))
     if variant == "fp8rs":
         kw.update(fp8_reduce_scatter=True)
     return (GeminiPlugin if kind == "gemini" else TorchFSDPPlugin)(**kw)

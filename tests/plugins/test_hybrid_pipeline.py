@@ -62,7 +62,7 @@ def _all_cases(rank: int, world: int, tmp: str) -> dict:
            "pp4": [run_pp_parity(**case) for case in PP4_CASES]}
     cap = BoundaryCapture()  # FP8 P2P only (bf16 compute), pp2 x dp2, 1F1B
     out["comm"] = run_pp_parity(pp=2, zero=1, precision="bf16", comm=True, hooks=cap)
-    out["compared"] = cap.check(Fp8CommConfig(min_numel=0))
+    out["compared"] = cap.check(Fp8CommConfig(min_payload_numel=0))
     out["ckpt"] = checkpoint_round_trip(tmp)
     return out
 

@@ -47,7 +47,7 @@ def _fp8_configs():
     from fp8boost.fp8 import Fp8Config
     from fp8boost.parallel.comm.config import Fp8CommConfig
     # min_numel=0: the test payloads are tiny, and must still really travel as FP8.
-    return Fp8Config(backend="emulated", min_numel=0), Fp8CommConfig(min_numel=0)
+    return Fp8Config(backend="emulated", min_numel=0), Fp8CommConfig(min_payload_numel=0)
 
 
 def _plugin(name: str, prec: str, comm: bool, **extra):

@@ -47,7 +47,7 @@ def _configs(recipe: str = "tensorwise"):
     from fp8boost.parallel.comm.config import Fp8CommConfig
     # min_numel=0: the tiny layers must still run (and travel) in FP8.
     return (Fp8Config(backend="emulated", min_numel=0, recipe=recipe),
-            Fp8CommConfig(min_numel=0))
+            Fp8CommConfig(min_payload_numel=0))
 
 
 def _zero(stage: int, use_fp8: bool, comm: bool, recipe: str = "tensorwise"):

@@ -2,8 +2,10 @@
 
 ``collectives`` (public as :mod:`fp8boost.parallel.fp8_comm`) casts, sends FP8 bytes and
 decodes; ``wire`` / ``wire_triton`` own the byte layout and the cast kernels; ``config`` holds
-:class:`Fp8CommConfig`. Nothing here knows about plugins or models.
+:class:`Fp8CommConfig`; ``report`` the :class:`CommReport` the data-parallel plugins fill.
+Nothing here knows about plugins or models.
 """
 from .config import Fp8CommConfig
+from .report import CommReport
 
-__all__ = ["Fp8CommConfig"]
+__all__ = ["Fp8CommConfig", "CommReport"]

@@ -117,8 +117,9 @@ def _plan(op: str, tensors: Sequence[torch.Tensor], payload: Optional[int], ws: 
         _log_once(op, f"dtype-{bad[0]}", f"{bad[0]} is not a floating-point dtype: plain "
                   "collective, no FP8")
         return "plain"
-    if payload is not None and payload < cfg.min_numel:
-        _log_once(op, "small", f"payloads below Fp8CommConfig.min_numel={cfg.min_numel} "
+    if payload is not None and payload < cfg.min_payload_numel:
+        _log_once(op, "small", f"payloads below Fp8CommConfig.min_payload_numel="
+                  f"{cfg.min_payload_numel} "
                   f"elements (here {payload}) use the plain collective in the input dtype: too "
                   "small for FP8 to pay off")
         return "plain"

@@ -25,7 +25,7 @@ gradients (reduce-scatter, all-reduce), from :class:`Fp8CommConfig`; ``fp8_dtype
 Where the plain collective runs instead, it runs in the input's own dtype and is logged once
 per collective and reason (logger ``fp8boost.parallel.fp8_comm``): world size 1 (local math, no
 communication), ``config.enabled=False``, a non-floating-point input, or a payload below
-``config.min_numel``. Float8 inputs are refused (they are already 1 byte: send
+``config.min_payload_numel``. Float8 inputs are refused (they are already 1 byte: send
 ``t.view(torch.uint8)`` with the plain collective).
 
 ``async_op=True`` returns an :class:`Fp8Work`; its ``wait()`` completes the communication and
@@ -80,10 +80,10 @@ def _quantize_except(x2d: torch.Tensor, skip: int, packed: torch.Tensor, dt: tor
     """Quantize every row of ``x2d`` but row ``skip`` into the consecutive rows of ``packed``
     (``scale=None``: each row's own amax, fused into the cast launches with the Triton impl)."""
     if skip > 0:
-        quantize_rows(x2d[:skip], packed[:skip], dt, power_of_2=cfg.power_of_2_scale, impl=impl,
-                      scale=None if scale is None else scale[:skip])
+        quantize_rows(x2d[:skip], packed[:skip], dt, power_of_2=cfg.power_of_2_wire_scale,
+                      impl=impl, scale=None if scale is None else scale[:skip])
     if skip < x2d.shape[0] - 1:
-        quantize_rows(x2d[skip + 1:], packed[skip:], dt, power_of_2=cfg.power_of_2_scale,
+        quantize_rows(x2d[skip + 1:], packed[skip:], dt, power_of_2=cfg.power_of_2_wire_scale,
                       impl=impl, scale=None if scale is None else scale[skip + 1:])
 
 
@@ -91,7 +91,7 @@ def _reduce_scatter_issue(x2d: torch.Tensor, rank: int, ws: int, dt: torch.dtype
                           cfg: Fp8CommConfig, impl: str, group, bounds):
     """Cast each stage's chunks for the other ranks and start its all-to-all (async)."""
     fused = _fused_scales(impl, bounds)
-    scales = None if fused else stage_scales(x2d, bounds, dt, cfg.power_of_2_scale)
+    scales = None if fused else stage_scales(x2d, bounds, dt, cfg.power_of_2_wire_scale)
     sends, recvs = _carve(ws - 1, bounds, x2d.device), _carve(ws - 1, bounds, x2d.device)
     works = []
     for k, (lo, hi) in enumerate(bounds):
@@ -154,14 +154,14 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
     if cfg.all_gather_scale == "shared":
         amax = row_amax(x)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        scales = scale_from_amax(amax, dt, 0, cfg.power_of_2_scale).expand(1, len(bounds))
+        scales = scale_from_amax(amax, dt, 0, cfg.power_of_2_wire_scale).expand(1, len(bounds))
     else:  # per-rank scale: fused into the cast launches with the Triton impl, one stage
         scales = None if _fused_scales(impl, bounds) else stage_scales(
-            x, bounds, dt, cfg.power_of_2_scale)
+            x, bounds, dt, cfg.power_of_2_wire_scale)
     sends, recvs = _carve(1, bounds, x.device), _carve(ws, bounds, x.device)
     works = []
     for k, (lo, hi) in enumerate(bounds):  # cast stage k+1 while stage k is on the wire
-        quantize_rows(x[:, lo:hi], sends[k], dt, power_of_2=cfg.power_of_2_scale, impl=impl,
+        quantize_rows(x[:, lo:hi], sends[k], dt, power_of_2=cfg.power_of_2_wire_scale, impl=impl,
                       scale=None if scales is None else scales[:, k])
         works.append(_all_gather_single(recvs[k].view(-1), sends[k].view(-1), group, True))
     out2d, commit = _staging(output, (ws, n))
@@ -170,7 +170,7 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
         for k, (lo, hi) in enumerate(bounds):  # decode stage k while k+1 is on the wire
             works[k].wait()
             dequantize_rows(recvs[k], hi - lo, dt, out2d[:, lo:hi],
-                            power_of_2=cfg.power_of_2_scale, impl=impl)
+                            power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         commit()
 
     return _complete(works, finish, async_op, output, keep=(sends, recvs, x))
@@ -359,14 +359,14 @@ def all_reduce_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "sum"
             works[k].wait()
             dequantize_sum_rows(recvs[k], hi - lo, dt, chunk[0, lo:hi], local=x[rank, lo:hi],
                                 post_scale=post, impl=impl)
-            quantize_rows(chunk[:, lo:hi], sends2[k], dt, power_of_2=cfg.power_of_2_scale,
+            quantize_rows(chunk[:, lo:hi], sends2[k], dt, power_of_2=cfg.power_of_2_wire_scale,
                           impl=impl)
             works2.append(_all_gather_single(recvs2[k].view(-1), sends2[k].view(-1), group,
                                              True))
         for k, (lo, hi) in enumerate(bounds):
             works2[k].wait()
-            dequantize_rows(recvs2[k], hi - lo, dt, x[:, lo:hi], power_of_2=cfg.power_of_2_scale,
-                            impl=impl)
+            dequantize_rows(recvs2[k], hi - lo, dt, x[:, lo:hi],
+                            power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         if not in_place:
             tensor.copy_(x.view(-1)[:n].view(tensor.shape))
 
@@ -398,7 +398,7 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
 
     Dim 0 of ``input`` is split by ``input_split_sizes`` (even when None); chunk j goes to rank
     j, cast with its own scale. The chunk a rank keeps is copied locally in full precision.
-    ``config.min_numel`` is not applied (payloads differ between ranks, so a per-rank choice
+    ``config.min_payload_numel`` is not applied (payloads differ between ranks, so a per-rank choice
     could deadlock): all-to-all always uses FP8 when enabled.
 
     Example:
@@ -441,7 +441,7 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
         if j != rank:
             chunk = x[in_off[j]:in_off[j] + ins[j]].reshape(1, ins[j] * row)
             quantize_rows(chunk, send[pos:pos + send_b[j]].view(1, -1), dt,
-                          power_of_2=cfg.power_of_2_scale, impl=impl)
+                          power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         pos += send_b[j]
     work = dist.all_to_all_single(recv, send, recv_b, send_b, group=group, async_op=async_op)
     out2d, commit = _staging(output, (output.shape[0], row))
@@ -454,7 +454,7 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
                 dst.copy_(x[in_off[j]:in_off[j] + ins[j]])
             else:
                 dequantize_rows(recv[pos:pos + recv_b[j]].view(1, -1), outs[j] * row, dt,
-                                dst.reshape(1, outs[j] * row), power_of_2=cfg.power_of_2_scale,
+                                dst.reshape(1, outs[j] * row), power_of_2=cfg.power_of_2_wire_scale,
                                 impl=impl)
             pos += recv_b[j]
         commit()
@@ -482,7 +482,7 @@ def _send(tensor, dst, group, fp8_dtype, config, async_op: bool):
         return _complete(work, _waiting(work), async_op, tensor, keep=(buf,))
     n = tensor.numel()
     packed = torch.empty((1, segment_bytes(n)), dtype=torch.uint8, device=tensor.device)
-    quantize_rows(tensor.contiguous().view(1, n), packed, dt, power_of_2=cfg.power_of_2_scale,
+    quantize_rows(tensor.contiguous().view(1, n), packed, dt, power_of_2=cfg.power_of_2_wire_scale,
                   impl=_cast_impl(cfg, tensor.device))
     work = send_fn(packed.view(-1), dst, group=group)
     return _complete(work, _waiting(work), async_op, tensor, keep=(packed,))
@@ -504,7 +504,7 @@ def _recv(tensor, src, group, fp8_dtype, config, async_op: bool):
     out2d, commit = _staging(tensor, (1, n))
 
     def finish() -> None:
-        dequantize_rows(packed, n, dt, out2d, power_of_2=cfg.power_of_2_scale, impl=impl)
+        dequantize_rows(packed, n, dt, out2d, power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         commit()
 
     return _complete(work, _waiting(work, finish), async_op, tensor, keep=(packed,))

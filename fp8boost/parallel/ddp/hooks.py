@@ -3,7 +3,7 @@
 ``fp8_allreduce_hook`` replaces DDP's bucket all-reduce by :func:`all_reduce_fp8` (FP8
 reduce-scatter + FP8 all-gather, FP32 sums) with ``op="avg"``. Every rank decodes the same
 bytes, so the averaged gradients, and hence the replicas, stay bit-identical across ranks.
-Buckets below ``config.min_numel`` use the plain all-reduce (logged once).
+Buckets below ``config.min_payload_numel`` use the plain all-reduce (logged once).
 
 On CUDA the hook runs on a side stream (one per device, kept in the state) so the casts and
 collectives overlap the rest of backward, as DDP's own all-reduce does; the returned future
@@ -128,9 +128,9 @@ class _RebuiltLayout:
     Why: the FP8 all-reduce of a bucket depends on the bucket, not only on each gradient: a
     scale is shared by a whole chunk, each rank adds its own chunk in full precision and the
     others' in FP8 (so which rank's slice holds an element changes its bits), and buckets
-    below ``min_numel`` go plain. DDP reduces a new model's first backward in one bucket per
-    dtype and then rebuilds its buckets in gradient-ready order, so without this the first
-    step after a resume reduced differently from the uninterrupted run's same step.
+    below ``min_payload_numel`` go plain. DDP reduces a new model's first backward in one
+    bucket per dtype and then rebuilds its buckets in gradient-ready order, so without this the
+    first step after a resume reduced differently from the uninterrupted run's same step.
 
     Why this fix (cost): after the first step it does nothing (its hooks are removed); the first
     step costs one gather and one scatter copy of the gradients and a broadcast of a few ints.
@@ -249,7 +249,8 @@ def register_fp8_comm_hook(ddp_model: "torch.nn.parallel.DistributedDataParallel
     """Register :func:`fp8_allreduce_hook` on a DDP model; returns the hook state.
 
     Example:
-        >>> state = register_fp8_comm_hook(ddp, config=Fp8CommConfig(min_numel=0))  # doctest: +SKIP
+        >>> cfg = Fp8CommConfig(min_payload_numel=0)
+        >>> state = register_fp8_comm_hook(ddp, config=cfg)  # doctest: +SKIP
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("register_fp8_comm_hook needs a DistributedDataParallel model, got "

@@ -68,7 +68,7 @@ def choose_plan(config: Fp8CommConfig, tied: bool, module: Optional[nn.Module],
         why = "the unsharded weight is a tensor-parallel DTensor or not 2-D"
     else:
         return GatherPlan(True, fp8cfg.fwd_dtype, fp8cfg.margin, fp8cfg.power_of_2_scale)
-    return GatherPlan(False, cfg.param_dtype, 0, cfg.power_of_2_scale, why)
+    return GatherPlan(False, cfg.param_dtype, 0, cfg.power_of_2_wire_scale, why)
 
 
 def log_plan(plan: GatherPlan) -> None:

@@ -18,8 +18,8 @@ sender's ``_Encode.backward`` dequantizes it. What crosses is therefore exactly 
 dequantize" of the boundary tensor in both directions (tested bit for bit).
 
 Boundaries whose two stages share a rank (the turn of a V schedule) stay in the training dtype:
-no wire, so nothing to save. So do payloads below ``Fp8CommConfig.min_numel``; the reason is
-logged once and kept in :attr:`BoundaryPlan.report`.
+no wire, so nothing to save. So do payloads below ``Fp8CommConfig.min_payload_numel``; the
+reason is logged once and kept in :attr:`BoundaryPlan.report`.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def encode_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, cfg: Fp8CommConfig) -> t
     # The padding bytes are never read; zero them so the container holds no stray NaN patterns.
     packed[:, n:].zero_()
     quantize_rows(x.detach().contiguous().view(1, n), packed, fp8_dtype,
-                  power_of_2=cfg.power_of_2_scale, impl=_cast_impl(cfg, x.device))
+                  power_of_2=cfg.power_of_2_wire_scale, impl=_cast_impl(cfg, x.device))
     return container
 
 
@@ -66,7 +66,7 @@ def decode_fp8(container: torch.Tensor, shape: tuple, dtype: torch.dtype,
         n *= d
     packed = container.detach().contiguous().view(torch.uint8).view(1, -1)
     out = torch.empty(shape, dtype=dtype, device=container.device)
-    dequantize_rows(packed, n, fp8_dtype, out.view(1, n), power_of_2=cfg.power_of_2_scale,
+    dequantize_rows(packed, n, fp8_dtype, out.view(1, n), power_of_2=cfg.power_of_2_wire_scale,
                     impl=_cast_impl(cfg, container.device))
     return out
 
@@ -103,7 +103,7 @@ class BoundaryPlan:
 
     Args:
         enabled: ``fp8_communication`` was asked for.
-        cfg: the wire settings (dtypes, ``min_numel``, power-of-two scales).
+        cfg: the wire settings (dtypes, ``min_payload_numel``, power-of-two scales).
         same_rank: stage boundary index ``s`` (between stages ``s`` and ``s + 1``) -> both
             stages run on one rank (nothing crosses a wire).
     """
@@ -124,8 +124,9 @@ class BoundaryPlan:
             why = "Fp8CommConfig.enabled=False"
         elif self.same_rank.get(boundary, False):
             why = "both stages run on one rank (no wire)"
-        elif numel < self.cfg.min_numel:
-            why = (f"payload {numel} elements < Fp8CommConfig.min_numel={self.cfg.min_numel}: "
+        elif numel < self.cfg.min_payload_numel:
+            why = (f"payload {numel} elements < Fp8CommConfig.min_payload_numel="
+                   f"{self.cfg.min_payload_numel}: "
                    "latency-bound, the casts would cost more than the bytes they save")
         if why is None:
             self.report[key] = (f"FP8: activations {self.cfg.param_dtype}, gradients "
