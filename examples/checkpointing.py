@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fp8boost.plugins.checkpoint_io import complete_checkpoints as _complete
-from fp8boost.plugins.checkpoint_io import formats as cio
+from fp8boost.plugins import checkpoint_io as cio
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"

@@ -78,7 +78,7 @@ def _step(booster, model, opt, step: int, rank: int, dp_rank: int, dp: int, pois
 @contextlib.contextmanager
 def _disk_full(root: str, budget: int):
     """Writes below ``root`` fail with ENOSPC once ``budget`` bytes were written (this rank)."""
-    from fp8boost.plugins.checkpoint_io import formats as cio
+    from fp8boost.plugins.checkpoint_io import tensor_files as cio
 
     left = [budget]
     real_open, real_io_open, real_save_file = open, io.open, cio.save_file
@@ -127,7 +127,7 @@ def _corrupt_and_load(rank: int, directory: str, load, label: str) -> None:
     """Truncate, then bit-flip a file of ``directory``: ``load()`` must fail on every rank
     naming it; each file is restored afterwards."""
     from fp8boost.plugins.checkpoint_io import CheckpointCorruptError
-    from fp8boost.plugins.checkpoint_io import formats as cio
+    from fp8boost.plugins.checkpoint_io import checksums as cio
 
     sums = cio.recorded_checksums(directory)
     assert sums, f"{label}: no checksums recorded in {directory}"

@@ -1,7 +1,12 @@
 """Checkpoint IO owned by the plugins: ``Plugin.get_checkpoint_io()`` returns one of these.
 
 ``formats``  the on-disk formats shared by every plugin (HF-layout safetensors models, the
-             re-shardable optimizer format, atomic directory swaps);
+             re-shardable optimizer format): file names and index keys;
+``coordination``, ``atomic``, ``checksums``  what every save and load goes through: rank 0
+             writes, failures raise on every rank alike, directories are swapped in
+             atomically and their files' SHA-256 verified before a load reads them;
+``tensor_files``, ``model_io``, ``optimizer_io``  safetensors model and optimizer I/O of
+             replicated models and of the re-shardable optimizer format;
 ``base``     the ``CheckpointIO`` interface and ``GeneralCheckpointIO`` (replicated models:
              no plugin, DDP, ZeRO-1/2);
 ``dcp``      ``DTensorCheckpointIO`` for FSDP2/DTensor models (Gemini, TorchFSDP, hybrid):
@@ -13,10 +18,13 @@
              resumable state as DCP DTensors on the (dp, pp, tp) mesh (reshards on load).
 """
 from .base import CheckpointIO, GeneralCheckpointIO
-from .formats import CheckpointCorruptError, CheckpointSaveError, verify_checksums
+from .checksums import checksum_files, verify_checksums
+from .coordination import raise_if_failed
+from .errors import CheckpointCorruptError, CheckpointSaveError
+from .formats import CHECKSUM_KEY
 from .hybrid import HybridCheckpointIO
 from .resume import complete_checkpoints, latest_checkpoint
 
 __all__ = ["CheckpointIO", "GeneralCheckpointIO", "HybridCheckpointIO", "CheckpointCorruptError",
            "CheckpointSaveError", "verify_checksums", "complete_checkpoints",
-           "latest_checkpoint"]
+           "latest_checkpoint", "checksum_files", "raise_if_failed", "CHECKSUM_KEY"]

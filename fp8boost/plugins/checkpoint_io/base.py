@@ -23,7 +23,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import formats as cio
+from . import coordination as coord
+from .atomic import atomic_save_dir, require
+from .checksums import verify_checksums
+from .formats import MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX
+from .model_io import read_model, write_model
+from .optimizer_io import check_optimizer, read_optimizer, write_optimizer
 
 STATE_MARKER = "fp8boost_checkpoint.json"
 
@@ -63,7 +68,7 @@ class CheckpointIO(ABC):
             raise TypeError(f"lr_scheduler must have state_dict(), got {type(lr_scheduler).__name__}")
         path = os.path.abspath(path)
         failure = None
-        if cio._rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             tmp = f"{path}.tmp-{os.getpid()}"
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -73,7 +78,7 @@ class CheckpointIO(ABC):
                 failure = exc
                 if os.path.exists(tmp):
                     os.remove(tmp)
-        cio.raise_if_failed(path, failure, self.group)
+        coord.raise_if_failed(path, failure, self.group)
 
     def load_lr_scheduler(self, lr_scheduler, path: str) -> None:
         lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -91,20 +96,20 @@ class CheckpointIO(ABC):
 
         def write(tmp: str) -> None:
             self._write_state(tmp, model, optimizer, lr_scheduler)
-            if cio._rank(self.group) == 0:
+            if coord.rank(self.group) == 0:
                 if lr_scheduler is not None:
                     torch.save(lr_scheduler.state_dict(), os.path.join(tmp, "lr_scheduler.pt"))
                 with open(os.path.join(tmp, STATE_MARKER), "w") as f:
                     json.dump({"format": self.state_format, "extra": extra or {}}, f, indent=1)
 
-        cio.atomic_save_dir(path, self.group, write, (STATE_MARKER,))
+        atomic_save_dir(path, self.group, write, (STATE_MARKER,))
 
     def load_checkpoint(self, path: str, model: nn.Module, optimizer=None,
                         lr_scheduler=None) -> dict:
         """Restore a directory written by ``save_checkpoint``; returns its ``extra`` dict."""
         path = os.fspath(path)
-        cio._require(path, "resumable", STATE_MARKER)
-        cio.verify_checksums(path, self.group)  # every rank raises alike, before any read
+        require(path, "resumable", STATE_MARKER)
+        verify_checksums(path, self.group)  # every rank raises alike, before any read
         with open(os.path.join(path, STATE_MARKER)) as f:
             meta = json.load(f)
         if meta.get("format") != self.state_format:
@@ -125,10 +130,10 @@ class CheckpointIO(ABC):
         Each part is agreed on before the next (``run_agreed``): the optimizer part starts
         with a barrier, which a rank whose model write failed would never reach.
         """
-        cio.run_agreed(lambda: self._write_model_into(model, os.path.join(tmp, "model"), True,
-                                                      1024), self.group)
+        coord.run_agreed(lambda: self._write_model_into(model, os.path.join(tmp, "model"), True,
+                                                        1024), self.group)
         if optimizer is not None:
-            cio.run_agreed(lambda: self._write_optimizer_into(
+            coord.run_agreed(lambda: self._write_optimizer_into(
                 optimizer, os.path.join(tmp, "optimizer")), self.group)
 
     def _read_state(self, path: str, model, optimizer) -> None:
@@ -151,39 +156,38 @@ class GeneralCheckpointIO(CheckpointIO):
                    size_per_shard_mb: float = 1024) -> None:
         if not isinstance(size_per_shard_mb, (int, float)) or size_per_shard_mb <= 0:
             raise ValueError(f"size_per_shard_mb must be > 0, got {size_per_shard_mb!r}")
-        cio.atomic_save_dir(path, self.group,
-                            lambda tmp: self._write_model_into(model, tmp, shard, size_per_shard_mb),
-                            (cio.MODEL_INDEX, cio.MODEL_SINGLE))
+        atomic_save_dir(path, self.group,
+                        lambda tmp: self._write_model_into(model, tmp, shard, size_per_shard_mb),
+                        (MODEL_INDEX, MODEL_SINGLE))
 
     def _write_model_into(self, model, directory: str, shard: bool, size_mb: float) -> None:
         overrides = self.plugin.exact_weights(model)  # collective: before rank 0 writes alone
-        if cio._rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             os.makedirs(directory, exist_ok=True)
-            cio.write_model(self.plugin.unwrap_model(model), directory, shard, size_mb, overrides)
+            write_model(self.plugin.unwrap_model(model), directory, shard, size_mb, overrides)
 
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
-        cio.verify_checksums(os.fspath(path), self.group)
-        cio.read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
+        verify_checksums(os.fspath(path), self.group)
+        read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
         self.plugin.after_load_model(model)
 
     def save_optimizer(self, optimizer, path: str) -> None:
-        cio._check_optimizer(optimizer)
-        cio.atomic_save_dir(path, self.group,
-                            lambda tmp: self._write_optimizer_into(optimizer, tmp),
-                            (cio.OPTIM_INDEX,))
+        check_optimizer(optimizer)
+        atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
+                        (OPTIM_INDEX,))
 
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
-        cio._check_optimizer(optimizer)
-        is_writer = optimizer.shard_world_size > 1 or cio._rank(self.group) == 0
+        check_optimizer(optimizer)
+        is_writer = optimizer.shard_world_size > 1 or coord.rank(self.group) == 0
         # Agreed instead of a bare barrier: a rank that cannot create the directory must not
         # leave the others waiting.
-        cio.run_agreed(lambda: os.makedirs(directory, exist_ok=True) if is_writer else None,
-                       self.group)
-        cio.write_optimizer(optimizer, directory, is_writer)
+        coord.run_agreed(lambda: os.makedirs(directory, exist_ok=True) if is_writer else None,
+                         self.group)
+        write_optimizer(optimizer, directory, is_writer)
 
     def load_optimizer(self, optimizer, path: str) -> None:
-        cio._check_optimizer(optimizer)
+        check_optimizer(optimizer)
         # Collective: ranks read different shards, so one bad shard must stop every rank here.
-        cio.verify_checksums(os.fspath(path), self.group)
-        cio.read_optimizer(optimizer, os.fspath(path), self.group)
+        verify_checksums(os.fspath(path), self.group)
+        read_optimizer(optimizer, os.fspath(path), self.group)
 

@@ -11,7 +11,7 @@ nothing here assumes a mesh shape or a placement.
 * ``save_optimizer`` and ``save_checkpoint``: ``torch.distributed.checkpoint`` (DCP), each
   rank writing its own shards; loading reshards to any other world size or mesh.
 
-Every save goes through ``formats.atomic_save_dir``: a save that dies midway leaves the
+Every save goes through ``atomic.atomic_save_dir``: a save that dies midway leaves the
 previous checkpoint loadable.
 """
 from __future__ import annotations
@@ -26,9 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import formats as cio
+from . import coordination as coord
 from . import hf_sharded as hf
+from .atomic import atomic_save_dir, require
 from .base import CheckpointIO
+from .checksums import verify_checksums
+from .formats import MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX
 
 OPTIM_MARKER = "fp8boost_dcp_optimizer.json"
 OPTIM_FORMAT = "fp8boost-dcp-optimizer-v1"
@@ -124,10 +127,10 @@ class DTensorCheckpointIO(CheckpointIO):
         def write(tmp: str) -> None:
             self._write_model_into(model, tmp, shard, size_per_shard_mb)
 
-        cio.atomic_save_dir(path, self.group, write, (cio.MODEL_INDEX, cio.MODEL_SINGLE))
+        atomic_save_dir(path, self.group, write, (MODEL_INDEX, MODEL_SINGLE))
 
     def _write_model_into(self, model, directory: str, shard: bool, size_mb: float) -> None:
-        writer = cio._rank(self.group) == 0
+        writer = coord.rank(self.group) == 0
         if writer:
             os.makedirs(directory, exist_ok=True)
         hf.write_gathered(self.plugin.unwrap_model(model), directory, shard, size_mb, writer)
@@ -136,7 +139,7 @@ class DTensorCheckpointIO(CheckpointIO):
         """Fill every parameter and persistent buffer from an HF folder (ours or
         ``save_pretrained``'s), each rank reading only its shards' slices."""
         module = self.plugin.unwrap_model(model)
-        cio.verify_checksums(os.fspath(path), self.group)  # every rank raises alike
+        verify_checksums(os.fspath(path), self.group)  # every rank raises alike
         hf.read_sharded(module, os.fspath(path), strict)
         _after_load(module)
 
@@ -144,9 +147,8 @@ class DTensorCheckpointIO(CheckpointIO):
     def save_optimizer(self, optimizer, path: str) -> None:
         """Sharded optimizer state (DCP): every rank writes its own part."""
         _raw_optimizer(optimizer)  # fail before any rank writes
-        cio.atomic_save_dir(path, self.group,
-                            lambda tmp: self._write_optimizer_into(optimizer, tmp),
-                            (OPTIM_MARKER,))
+        atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
+                        (OPTIM_MARKER,))
 
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -154,9 +156,9 @@ class DTensorCheckpointIO(CheckpointIO):
         module, keys = self._optimizer_model(optimizer, None)
         raw = _raw_optimizer(optimizer)
         self._dcp_save({"optim": _plain(get_optimizer_state_dict(module, raw))}, directory)
-        if cio._rank(self.group) == 0:
-            marker = {"format": OPTIM_FORMAT, "keys": keys, "world_size": _world(self.group),
-                      **_wrapper_state(optimizer)}
+        if coord.rank(self.group) == 0:
+            marker = {"format": OPTIM_FORMAT, "keys": keys,
+                      "world_size": coord.world_size(self.group), **_wrapper_state(optimizer)}
             with open(os.path.join(directory, OPTIM_MARKER), "w") as f:
                 json.dump(marker, f, indent=1)
 
@@ -166,7 +168,7 @@ class DTensorCheckpointIO(CheckpointIO):
 
         path = os.fspath(path)
         marker = self._optimizer_marker(path)
-        cio.verify_checksums(path, self.group)  # every rank raises alike, before DCP reads
+        verify_checksums(path, self.group)  # every rank raises alike, before DCP reads
         module, _ = self._optimizer_model(optimizer, marker["keys"])
         raw = _raw_optimizer(optimizer)
         state = {"optim": _prepared_optimizer_state(module, raw)}
@@ -190,11 +192,11 @@ class DTensorCheckpointIO(CheckpointIO):
     @staticmethod
     def _optimizer_marker(path: str) -> dict:
         if not os.path.exists(os.path.join(path, OPTIM_MARKER)) and \
-                os.path.exists(os.path.join(path, cio.OPTIM_INDEX)):
+                os.path.exists(os.path.join(path, OPTIM_INDEX)):
             raise ValueError(f"{path} is an optimizer checkpoint of a replicated/ZeRO plugin "
-                             f"({cio.OPTIM_INDEX}); this plugin reads DCP optimizer checkpoints "
+                             f"({OPTIM_INDEX}); this plugin reads DCP optimizer checkpoints "
                              f"({OPTIM_MARKER})")
-        cio._require(path, "DCP optimizer", OPTIM_MARKER)
+        require(path, "DCP optimizer", OPTIM_MARKER)
         with open(os.path.join(path, OPTIM_MARKER)) as f:
             marker = json.load(f)
         if marker.get("format") == "fp8boost-dcp-v1":  # first version: keyed by names
@@ -216,7 +218,7 @@ class DTensorCheckpointIO(CheckpointIO):
             msd, osd = get_state_dict(module, [_raw_optimizer(optimizer)])
             state = {"model": msd, "optim": osd}
         self._dcp_save(_plain(state), os.path.join(tmp, STATE_DIR))
-        if optimizer is not None and cio._rank(self.group) == 0:
+        if optimizer is not None and coord.rank(self.group) == 0:
             with open(os.path.join(tmp, STATE_EXTRA), "w") as f:
                 json.dump(_wrapper_state(optimizer), f)
 
@@ -290,10 +292,6 @@ def _first_failure(exc) -> BaseException:
         return exc
     cause = failures[min(failures)]
     return cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
-
-
-def _world(group) -> int:
-    return dist.get_world_size(group) if cio._active(group) else 1
 
 
 def _lenient():

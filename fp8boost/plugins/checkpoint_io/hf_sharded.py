@@ -4,7 +4,7 @@
   ``full_tensor()`` on one tensor at a time; rank 0 streams each gathered tensor straight into
   its file (the safetensors header is computed up front from global shapes and dtypes), so no
   rank ever holds more than one full tensor, whatever the shard size, ``shard=False`` included.
-  The layout (file names, index, ``config.json``) is that of ``formats.write_model``.
+  The layout (file names, index, ``config.json``) is that of ``model_io.write_model``.
 * ``read_sharded``: each rank reads only the slice of every tensor that its local shard holds
   (``safe_open(...).get_slice(name)[slices]``); plain tensors are read whole.
 
@@ -23,7 +23,9 @@ import safetensors
 import torch
 from torch import nn
 
-from . import formats as cio
+from .atomic import require
+from .formats import MODEL_INDEX, MODEL_SINGLE
+from .model_io import dedup_state_dict, plan_shards, storage_key
 
 _ST_DTYPES = MappingProxyType({
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -80,10 +82,10 @@ def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
     DTensor parameters are deduplicated by identity (FSDP2 gives tied parameters one object;
     their local shards say nothing about the global tensor); plain tensors by storage, as
-    ``formats._dedup_state_dict`` does.
+    ``model_io.dedup_state_dict`` does.
     """
     sd = module.state_dict(keep_vars=True)
-    plain = cio._dedup_state_dict({k: t for k, t in sd.items() if not is_dtensor(t)})
+    plain = dedup_state_dict({k: t for k, t in sd.items() if not is_dtensor(t)})
     seen: set[int] = set()
     kept = {}
     for k, t in sd.items():
@@ -165,15 +167,15 @@ class _Sink:
 
 
 def plan_files(sd: dict[str, torch.Tensor], shard: bool, size_mb: float) -> list[list[str]]:
-    """Keys per file: state-dict order cut at ``size_mb`` (as ``formats._plan_shards``); inside
+    """Keys per file: state-dict order cut at ``size_mb`` (as ``model_io.plan_shards``); inside
     a file, wider dtypes first so that every tensor stays aligned to its element size."""
-    plan = cio._plan_shards(sd, int(size_mb * 1024 * 1024)) if shard else [list(sd)]
+    plan = plan_shards(sd, int(size_mb * 1024 * 1024)) if shard else [list(sd)]
     return [sorted(keys, key=lambda k: -sd[k].element_size()) for keys in plan]
 
 
 def _file_names(plan: list[list[str]], shard: bool) -> list[str]:
     if not shard:
-        return [cio.MODEL_SINGLE]
+        return [MODEL_SINGLE]
     return [f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
 
 
@@ -268,7 +270,7 @@ def write_index_and_config(module: nn.Module, directory: str, names: list[str],
     if shard:
         weight_map = {k: n for n, keys in zip(names, plan) for k in keys}
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(directory, cio.MODEL_INDEX), "w") as f:
+        with open(os.path.join(directory, MODEL_INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     for attr in ("config", "generation_config"):  # what from_pretrained needs beside weights
         cfg = getattr(module, attr, None)
@@ -278,18 +280,18 @@ def write_index_and_config(module: nn.Module, directory: str, names: list[str],
 
 def checkpoint_files(directory: str) -> list[str]:
     """Safetensors files of an HF folder: the index's files, else ``model.safetensors``."""
-    index = os.path.join(directory, cio.MODEL_INDEX)
+    index = os.path.join(directory, MODEL_INDEX)
     if os.path.exists(index):
         with _NamedErrors(index):
             with open(index) as f:
                 return list(dict.fromkeys(json.load(f)["weight_map"].values()))
-    cio._require(directory, "model", cio.MODEL_SINGLE)
-    return [cio.MODEL_SINGLE]
+    require(directory, "model", MODEL_SINGLE)
+    return [MODEL_SINGLE]
 
 
 def _identity(t: torch.Tensor):
     # DTensor parameters: one object per tied group (FSDP2); plain tensors: their storage.
-    return id(t) if is_dtensor(t) else cio._storage_key(t)
+    return id(t) if is_dtensor(t) else storage_key(t)
 
 
 def _check_keys(own: dict[str, torch.Tensor], shapes: dict[str, tuple], directory: str,

@@ -41,9 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import formats as cio
-from . import hf_sharded as hf
+from . import atomic, coordination as coord, hf_sharded as hf
 from .base import STATE_MARKER, CheckpointIO
+from .checksums import verify_checksums
+from .formats import MODEL_INDEX, MODEL_SINGLE
+from .model_io import dedup_state_dict, storage_key
+from .optimizer_io import check_optimizer, jsonable, restore_types
 
 STATE_DIR = "dcp"
 STATE_INDEX = "hybrid_state.json"
@@ -81,7 +84,7 @@ def _check_boosted(plugin, module: nn.Module) -> None:
 
 def _check_target(path: str, markers: tuple[str, ...]) -> None:
     """Every rank checks the target itself, so a bad path fails before any collective."""
-    err = cio._check_target(os.path.abspath(os.fspath(path)), markers)
+    err = atomic.check_target(os.path.abspath(os.fspath(path)), markers)
     if err is not None:
         raise ValueError(err)
 
@@ -117,13 +120,13 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
     dims, group, size, _ = _tp_layout(plugin)
-    sd = cio._dedup_state_dict(module.state_dict(keep_vars=True))
+    sd = dedup_state_dict(module.state_dict(keep_vars=True))
     # Meta stand-ins with the full shapes: file planning and headers need no data.
     shapes = {k: torch.empty(_full_shape(t, dims.get(k), size), dtype=t.dtype, device="meta")
               for k, t in sd.items()}
     plan = hf.plan_files(shapes, shard, size_mb)
     names = hf._file_names(plan, shard)
-    writer = cio._rank(plugin.checkpoint_group) == 0
+    writer = coord.rank(plugin.checkpoint_group) == 0
     sends = size > 1 and plugin.dp_rank == 0  # rank 0's tp group
     sink = hf._Sink(directory) if writer else None
     with torch.no_grad():
@@ -164,8 +167,8 @@ def _check_hf_keys(own: dict, shapes: dict, dims: dict, size: int, directory: st
     unexpected = [k for k in shapes if k not in own and (known is None or k not in known)]
     wrong = [f"{k}: {shapes[k]} vs {_full_shape(own[k], dims.get(k), size)}" for k in shapes
              if k in own and shapes[k] != _full_shape(own[k], dims.get(k), size)]
-    loaded = {cio._storage_key(own[k]) for k in shapes if k in own}
-    missing = [k for k in own if k not in shapes and cio._storage_key(own[k]) not in loaded]
+    loaded = {storage_key(own[k]) for k in shapes if k in own}
+    missing = [k for k in own if k not in shapes and storage_key(own[k]) not in loaded]
     if wrong or (strict and (missing or unexpected)):
         raise ValueError(f"checkpoint {directory} does not match the model: shape mismatches "
                          f"{wrong[:5]}, missing keys {missing[:10]}, unexpected keys "
@@ -276,13 +279,13 @@ def _optimizer_state(optimizer, names: dict[int, str], placer: _Placer) -> tuple
                 meta["replicated_values"][key] = value
         params[name] = meta
     by_index = [names[id(p)] for p in optimizer.params]
-    groups = [{**{k: cio._jsonable(v) for k, v in g.items() if k != "params"},
+    groups = [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                "params": [by_index[j] for j in g["params"]]} for g in groups]
     return tensors, {"params": params, "param_groups": groups, "extra": extra}
 
 
 def _model_state(module: nn.Module, placer: _Placer) -> dict[str, torch.Tensor]:
-    sd = cio._dedup_state_dict(module.state_dict(keep_vars=True))
+    sd = dedup_state_dict(module.state_dict(keep_vars=True))
     return {f"model/{k}": placer.wrap(k, t.detach()) for k, t in sd.items()}
 
 
@@ -345,7 +348,7 @@ def _load_optimizer_state(optimizer, module: nn.Module, state: dict, index: dict
             raise ValueError(f"the checkpoint's optimizer holds parameters {unknown[:3]} that "
                              "this optimizer does not: build it on the same model parameters")
         groups.append({**g, "params": [position[n] for n in g["params"]]})
-    groups = cio._restore_types(groups, optimizer.param_groups)
+    groups = restore_types(groups, optimizer.param_groups)
     optimizer.load_checkpoint_state(sharded, replicated, groups, index.get("extra", {}))
 
 
@@ -372,21 +375,21 @@ class HybridCheckpointIO(CheckpointIO):
         """HF folder, gathered over tp one parameter at a time onto global rank 0."""
         _check_size(size_per_shard_mb)
         _check_boosted(self.plugin, self.plugin.unwrap_model(model))
-        _check_target(path, (cio.MODEL_INDEX, cio.MODEL_SINGLE))
-        cio.atomic_save_dir(path, self.group,
-                            lambda tmp: self._write_model_into(model, tmp, shard,
-                                                               size_per_shard_mb),
-                            (cio.MODEL_INDEX, cio.MODEL_SINGLE))
+        _check_target(path, (MODEL_INDEX, MODEL_SINGLE))
+        atomic.atomic_save_dir(path, self.group,
+                               lambda tmp: self._write_model_into(model, tmp, shard,
+                                                                  size_per_shard_mb),
+                               (MODEL_INDEX, MODEL_SINGLE))
 
     def _write_model_into(self, model, directory: str, shard: bool, size_mb: float) -> None:
-        if cio._rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             os.makedirs(directory, exist_ok=True)
         write_hf_gathered(self.plugin, model, directory, shard, size_mb)
 
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
         """Load an HF folder (ours or ``save_pretrained``'s); each rank reads its tp slices."""
         _check_boosted(self.plugin, self.plugin.unwrap_model(model))
-        cio.verify_checksums(os.fspath(path), self.group)  # every rank raises alike
+        verify_checksums(os.fspath(path), self.group)  # every rank raises alike
         read_hf_sliced(self.plugin, model, os.fspath(path), strict)
         self.plugin.after_load_model(model)
 
@@ -397,23 +400,23 @@ class HybridCheckpointIO(CheckpointIO):
         The names come from the model this plugin boosted together with ``optimizer``.
         """
         module = self._module_of(optimizer)
-        cio._check_optimizer(optimizer)
+        check_optimizer(optimizer)
         _check_target(path, (OPTIM_MARKER,))
 
         def write(tmp: str) -> None:
             self._write_state(tmp, module, optimizer, None, with_model=False)
-            if cio._rank(self.group) == 0:
+            if coord.rank(self.group) == 0:
                 with open(os.path.join(tmp, OPTIM_MARKER), "w") as f:
                     json.dump({"format": self.state_format}, f)
 
-        cio.atomic_save_dir(path, self.group, write, (OPTIM_MARKER,))
+        atomic.atomic_save_dir(path, self.group, write, (OPTIM_MARKER,))
 
     def load_optimizer(self, optimizer, path: str) -> None:
         """Load a ``save_optimizer`` directory (written at any tp x dp x stage)."""
         module = self._module_of(optimizer)
-        cio._check_optimizer(optimizer)
-        cio._require(os.fspath(path), "hybrid optimizer", OPTIM_MARKER)
-        cio.verify_checksums(os.fspath(path), self.group)  # every rank raises alike
+        check_optimizer(optimizer)
+        atomic.require(os.fspath(path), "hybrid optimizer", OPTIM_MARKER)
+        verify_checksums(os.fspath(path), self.group)  # every rank raises alike
         self._read_state(os.fspath(path), module, optimizer, with_model=False)
 
     def _module_of(self, optimizer):
@@ -430,7 +433,7 @@ class HybridCheckpointIO(CheckpointIO):
         """Model + optimizer (+ scheduler, ``extra``) as DCP; see the module docstring."""
         _check_boosted(self.plugin, self.plugin.unwrap_model(model))
         if optimizer is not None:
-            cio._check_optimizer(optimizer)
+            check_optimizer(optimizer)
         _check_target(path, (STATE_MARKER,))
         super().save_checkpoint(path, model, optimizer, lr_scheduler, extra)
 
@@ -439,7 +442,7 @@ class HybridCheckpointIO(CheckpointIO):
         """Restore a ``save_checkpoint`` directory written at any (tp, dp, zero_stage)."""
         _check_boosted(self.plugin, self.plugin.unwrap_model(model))
         if optimizer is not None:
-            cio._check_optimizer(optimizer)
+            check_optimizer(optimizer)
         return super().load_checkpoint(path, model, optimizer, lr_scheduler)
 
     def _write_state(self, tmp: str, model, optimizer, lr_scheduler,
@@ -459,7 +462,7 @@ class HybridCheckpointIO(CheckpointIO):
             index["zero_stage"] = optimizer.stage
         dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, STATE_DIR)),
                  process_group=self.group)
-        if cio._rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             with open(os.path.join(tmp, STATE_INDEX), "w") as f:
                 json.dump(index, f, indent=1)
 

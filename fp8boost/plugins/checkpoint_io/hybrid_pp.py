@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import formats as cio
 from . import hf_sharded as hf
+from .model_io import dedup_state_dict
 
 __all__ = ["all_keys", "write_hf_gathered_pp", "merge_optimizer_index", "local_param_groups"]
 
@@ -28,7 +28,7 @@ __all__ = ["all_keys", "write_hf_gathered_pp", "merge_optimizer_index", "local_p
 def all_keys(plugin, module: nn.Module, dedup: bool = True) -> set[str]:
     """Union over every rank of ``module``'s state-dict keys (collective over the world)."""
     sd = module.state_dict(keep_vars=True)
-    keys = list(cio._dedup_state_dict(sd) if dedup else sd)
+    keys = list(dedup_state_dict(sd) if dedup else sd)
     out: list = [None] * dist.get_world_size(plugin.checkpoint_group)
     dist.all_gather_object(out, keys, group=plugin.checkpoint_group)
     return set().union(*out)
@@ -49,7 +49,7 @@ def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool, 
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
     dims, group, size, _ = tp_layout(plugin)
-    sd = cio._dedup_state_dict(module.state_dict(keep_vars=True))
+    sd = dedup_state_dict(module.state_dict(keep_vars=True))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, _owned_entries(plugin, sd, dims, size, full_shape))
     owner: dict[str, int] = {}

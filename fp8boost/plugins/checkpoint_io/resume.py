@@ -1,7 +1,7 @@
 """Finding the checkpoint to resume from: the newest complete one in a folder.
 
 A job restarted by ``torchrun --max-restarts N`` (or by hand) runs the same command again; it
-needs the newest checkpoint that was *finished*. Saves are atomic (``formats.atomic_save_dir``
+needs the newest checkpoint that was *finished*. Saves are atomic (``atomic.atomic_save_dir``
 writes into a hidden ``.<name>.tmp-*`` directory and renames it when every rank is done), so
 a directory under its final name is complete when it holds its marker file; leftovers of a
 save that died (hidden temp directories, ``*.partial`` folders, directories without the

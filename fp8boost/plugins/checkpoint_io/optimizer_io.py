@@ -1,0 +1,142 @@
+"""Optimizer I/O: the re-shardable optimizer format (see ``formats``).
+
+The optimizer returned by ``booster.boost()`` describes its state through the checkpoint
+protocol (``parallel/boosted_optimizer.py``): ``checkpoint_state()``, ``checkpoint_layout()``
+and ``load_checkpoint_state()``; this module stores it and reads it back at any world size.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from . import tensor_files
+from .atomic import require
+from .coordination import agreed_read
+from .formats import OPTIM_FORMAT, OPTIM_INDEX, OPTIM_REPLICATED
+from .tensor_files import cpu_copy, open_checked
+
+
+def check_optimizer(optimizer) -> None:
+    """Raise ``TypeError`` unless ``optimizer`` is one ``booster.boost()`` returned."""
+    if not hasattr(optimizer, "checkpoint_state"):
+        raise TypeError("save/load the optimizer returned by booster.boost(), not the raw torch "
+                        f"optimizer (got {type(optimizer).__name__})")
+
+
+def jsonable(value):
+    """A param-group value as JSON can store it (tensors and tuples become lists)."""
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _shard_file(rank: int, world: int) -> str:
+    return f"optimizer-rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def write_optimizer(optimizer, directory: str, is_writer: bool) -> None:
+    """Write this rank's part of the optimizer state (see ``formats``)."""
+    sharded, replicated, groups, extra = optimizer.checkpoint_state()
+    world, rank = optimizer.shard_world_size, optimizer.shard_rank
+    if not is_writer:
+        return
+    tensors = {f"{i}/{k}": cpu_copy(v) for i, d in sharded.items() for k, v in d.items()
+               if v.numel() > 0}
+    tensor_files.save_file(tensors, os.path.join(directory, _shard_file(rank, world)))
+    if rank != 0:
+        return
+    rep_tensors, params = {}, []
+    for i, shard in enumerate(optimizer.checkpoint_layout()):
+        values = {}
+        for k, v in replicated.get(i, {}).items():
+            if torch.is_tensor(v):
+                rep_tensors[f"{i}/{k}"] = cpu_copy(v)
+            else:
+                json.dumps(v)  # raises TypeError for state we cannot store
+                values[k] = v
+        params.append({"shape": list(shard.shape), "numel": shard.numel,
+                       "sharded": sorted(sharded.get(i, {})),
+                       "replicated_tensors": sorted(k for k, v in replicated.get(i, {}).items()
+                                                    if torch.is_tensor(v)),
+                       "replicated_values": values})
+    tensor_files.save_file(rep_tensors, os.path.join(directory, OPTIM_REPLICATED))
+    groups = [{k: jsonable(v) for k, v in g.items()} for g in groups]
+    index = {"format": OPTIM_FORMAT, "world_size": world, "param_groups": groups,
+             "params": params, "extra": extra}
+    with open(os.path.join(directory, OPTIM_INDEX), "w") as f:
+        json.dump(index, f, indent=1)
+
+
+def restore_types(saved_groups: list[dict], current_groups: list[dict]) -> list[dict]:
+    """Saved (JSON) param groups with the tuple and tensor values of ``current_groups``."""
+    out = []
+    for saved, cur in zip(saved_groups, current_groups):
+        g = dict(saved)
+        for k, v in cur.items():
+            if k in g and k != "params":
+                if isinstance(v, tuple):
+                    g[k] = tuple(g[k])
+                elif torch.is_tensor(v):
+                    g[k] = torch.tensor(g[k], dtype=v.dtype, device=v.device)
+        out.append(g)
+    return out
+
+
+def read_optimizer(optimizer, directory: str, group=None) -> None:
+    """Load optimizer state saved by any world size into this rank's layout.
+
+    ``group``: the ranks loading together (a read error on one raises on all).
+    """
+    require(directory, "optimizer", OPTIM_INDEX)
+    with open(os.path.join(directory, OPTIM_INDEX)) as f:
+        index = json.load(f)
+    if index.get("format") != OPTIM_FORMAT:
+        raise ValueError(f"{directory} has optimizer format {index.get('format')!r}, "
+                         f"expected {OPTIM_FORMAT!r}")
+    layout = optimizer.checkpoint_layout()
+    metas = index["params"]
+    if len(metas) != len(layout) or any(m["numel"] != s.numel for m, s in zip(metas, layout)):
+        raise ValueError(f"optimizer checkpoint {directory} holds {len(metas)} parameters "
+                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has {len(layout)} "
+                         f"{[s.numel for s in layout][:8]}...: same model and param groups needed")
+    saved_world = index["world_size"]
+    handles: dict[int, object] = {}
+
+    def piece(i: int, key: str, start: int, end: int) -> torch.Tensor:
+        numel = metas[i]["numel"]
+        c = -(-numel // saved_world)
+        parts = []
+        for q in range(start // c, -(-end // c)) if end > start else []:
+            qs, qe = q * c, min(q * c + c, numel)
+            a, b = max(start, qs), min(end, qe)
+            if a >= b:
+                continue
+            if q not in handles:
+                handles[q] = open_checked(os.path.join(directory, _shard_file(q, saved_world)),
+                                          lambda p: safe_open(p, "pt"))
+            parts.append(handles[q].get_slice(f"{i}/{key}")[a - qs:b - qs])
+        if not parts:
+            return torch.zeros(0)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    sharded, replicated = {}, {}
+
+    def read() -> None:
+        rep_file = open_checked(os.path.join(directory, OPTIM_REPLICATED),
+                                lambda p: safe_open(p, "pt"))
+        for i, (meta, s) in enumerate(zip(metas, layout)):
+            sharded[i] = {k: piece(i, k, s.start, s.end) for k in meta["sharded"]}
+            replicated[i] = dict(meta["replicated_values"])
+            replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}")
+                                  for k in meta["replicated_tensors"]})
+
+    # Ranks read different shards: a bad one (in a checkpoint without checksums) must stop
+    # every rank here with its name, before load_checkpoint_state's collectives.
+    agreed_read(read, group, directory)
+    groups = restore_types(index["param_groups"], optimizer.param_groups)
+    optimizer.load_checkpoint_state(sharded, replicated, groups, index.get("extra", {}))
