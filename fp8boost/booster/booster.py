@@ -7,9 +7,10 @@ from typing import ContextManager, Optional, Union
 import torch
 from torch import nn
 
+from fp8boost.plugins.local_plugin import LocalPlugin
 from fp8boost.plugins.plugin_base import Plugin
 
-from .mixed_precision import MixedPrecision, LocalPlugin
+from .mixed_precision import MixedPrecision
 
 
 class Booster:

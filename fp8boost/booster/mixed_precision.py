@@ -12,17 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from fp8boost.fp8.backends import warn_once
 from fp8boost.fp8.config import Fp8Config
-from fp8boost.plugins.plugin_base import Boosted, Plugin, check_boost_args, default_device, \
-    shard_dataloader
-from fp8boost.plugins.precision import MIXED_PRECISIONS, check_fp8_config, check_max_norm, \
-    check_precision, prepare_model, wrap_optimizer
-from fp8boost.plugins.wrappers import DTYPES, ModelWrapper
+from fp8boost.plugins.local_plugin import LocalPlugin  # noqa: F401 - its old home
+from fp8boost.plugins.options import check_fp8_config, check_max_norm, check_precision
+from fp8boost.plugins.precision import MIXED_PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -36,7 +29,8 @@ class MixedPrecision:
     """
 
     precision: str = "bf16"
-    """"fp32", "bf16", "fp16" or "fp8" (see the module docstring)."""
+    """"fp32", "bf16", "fp16" or "fp8" (see the module docstring; trained by
+    ``fp8boost.plugins.local_plugin.LocalPlugin``)."""
     fp8_config: Optional[Fp8Config] = None
     """The FP8 recipe for ``"fp8"`` (default ``Fp8Config()``)."""
     max_norm: float = 0.0
@@ -56,53 +50,3 @@ class MixedPrecision:
         if self.fused_master_step is not None and not isinstance(self.fused_master_step, bool):
             raise TypeError("MixedPrecision.fused_master_step must be None, True or False, got "
                             f"{type(self.fused_master_step).__name__}")
-
-
-class LocalPlugin(Plugin):
-    """What ``Booster`` uses when no plugin is given (see module docstring)."""
-
-    supported_precisions = MIXED_PRECISIONS
-
-    def __init__(self, mixed_precision: MixedPrecision) -> None:
-        self.mp = mixed_precision
-        self.fp8_report = None
-
-    @property
-    def dp_group(self):
-        return None  # a single process: even under an initialised group, nothing is sharded
-
-    @property
-    def checkpoint_group(self):
-        return None
-
-    @property
-    def dp_size(self) -> int:
-        return 1
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
-
-    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
-                  lr_scheduler=None, device=None) -> Boosted:
-        check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            warn_once("booster_no_plugin_multiprocess",
-                      "Booster without a plugin in a multi-process job: every process trains its "
-                      "own replica (no gradient averaging); use TorchDDPPlugin or "
-                      "LowLevelZeroPlugin for data parallelism")
-        precision = "bf16" if self.mp.precision == "fp8" else self.mp.precision
-        if optimizer is not None and precision != "fp32":
-            from fp8boost.parallel.zero import ZeroOptimizer
-            ZeroOptimizer.validate(optimizer)
-        device = torch.device(device) if device is not None else default_device()
-        self.fp8_report = prepare_model(model, precision, self.mp.precision == "fp8",
-                                        self.mp.fp8_config, device)
-        wrapped = ModelWrapper(model, DTYPES[precision])
-        opt = wrap_optimizer(optimizer, precision, self.mp.max_norm,
-                             fused_master_step=self.mp.fused_master_step)
-        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
-        # One replica, with the plugins' sampler semantics (seeded, set_epoch; a loader with
-        # its own sampler is kept as built).
-        loader = shard_dataloader(dataloader, 1, 0)
-        return wrapped, opt, criterion, loader, lr_scheduler

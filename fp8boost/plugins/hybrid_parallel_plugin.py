@@ -19,23 +19,22 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8.config import Fp8Config
+from fp8boost.fp8 import fp8_layers
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
                               pipeline_layout, stage_plan, strip_model)
-from .plugin_base import Boosted, Plugin, check_bool, check_boost_args, default_device, \
-    init_distributed, shard_dataloader
-from .precision import check_comm_config, check_fp8_config, check_max_norm, check_precision, \
-    make_loss_scaler, prepare_model
+from .delayed_amax import reduce_delayed_amax
+from .distributed import broadcast_module
+from .options import check_bool, check_bucket_size, takes_plugin_options
+from .plugin_base import Plugin
+from .precision import make_loss_scaler
 from .wrappers import DTYPES, ModelWrapper
 
 logger = logging.getLogger("fp8boost.plugins")
-_MIB = 1024 * 1024
 SP_MODES = ("split_gather",)
 PIPELINE_ARGS = ("num_microbatches", "microbatch_size", "num_layers_per_stage")
 
@@ -46,6 +45,10 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+@takes_plugin_options(positional=("tp_size", "pp_size", "precision", "zero_stage",
+                                  "enable_sequence_parallelism", "sequence_parallelism_mode",
+                                  "max_norm", "custom_policy", "use_fp8", "fp8_communication",
+                                  "fp8_config"))
 class HybridParallelPlugin(Plugin):
     """Tensor parallel (+ sequence parallel) x ZeRO data parallel, with FP8 GEMMs on the shards.
 
@@ -106,36 +109,24 @@ class HybridParallelPlugin(Plugin):
         >>> # under torchrun: model, optimizer, *_ = booster.boost(model, optimizer)
     """
 
-    supported_precisions = ("fp32", "bf16", "fp16")
-
-    def __init__(self, tp_size: int = 1, pp_size: int = 1, precision: str = "bf16",
-                 zero_stage: int = 0, enable_sequence_parallelism: bool = False,
-                 sequence_parallelism_mode: Optional[str] = None, max_norm: float = 0.0,
-                 custom_policy=None, use_fp8: bool = False, fp8_communication: bool = False,
-                 fp8_config: Optional[Fp8Config] = None, *, comm_config=None,
+    def __init__(self, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
+                 enable_sequence_parallelism: bool = False,
+                 sequence_parallelism_mode: Optional[str] = None, custom_policy=None, *,
                  overlap_communication: bool = True,
                  reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
-                 initial_scale: float = 2.0 ** 16, growth_interval: int = 1000,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1,
-                 num_layers_per_stage: Optional[list] = None,
-                 fp8_reduce_scatter: bool = False) -> None:
+                 num_layers_per_stage: Optional[list] = None, **options) -> None:
+        super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
         self.tp_size = _check_int("tp_size", tp_size, 1)
         self.pp_size = _check_int("pp_size", pp_size, 1)
-        check_precision(precision, self.supported_precisions)
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2 (ZeRO-3 is GeminiPlugin), got "
                              f"{zero_stage!r}")
         for name, value in (("enable_sequence_parallelism", enable_sequence_parallelism),
-                            ("use_fp8", use_fp8), ("fp8_communication", fp8_communication),
                             ("overlap_communication", overlap_communication),
-                            ("cpu_offload", cpu_offload),
-                            ("fp8_reduce_scatter", fp8_reduce_scatter)):
+                            ("cpu_offload", cpu_offload)):
             check_bool(name, value)
-        if fp8_reduce_scatter and not fp8_communication:
-            raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
-        self.fp8_reduce_scatter = fp8_reduce_scatter
-        self.comm_report: dict = {}
         self.sequence_parallelism_mode = self._check_sp(enable_sequence_parallelism,
                                                         sequence_parallelism_mode)
         self.pipeline = check_pipeline_args(self.pp_size, zero_stage, num_microbatches,
@@ -146,26 +137,12 @@ class HybridParallelPlugin(Plugin):
             if not isinstance(custom_policy, TpPlan):
                 raise TypeError("custom_policy must be a fp8boost.parallel.tp.TpPlan or a function "
                                 f"model -> TpPlan, got {type(custom_policy).__name__}")
-        if reduce_bucket_size_in_m is None:
-            reduce_bucket_size_in_m = 64 if fp8_communication else 12
-        if isinstance(reduce_bucket_size_in_m, bool) or \
-                not isinstance(reduce_bucket_size_in_m, (int, float)) or reduce_bucket_size_in_m <= 0:
-            raise ValueError("reduce_bucket_size_in_m must be > 0 (millions of elements), got "
-                             f"{reduce_bucket_size_in_m!r}")
-        if not isinstance(initial_scale, (int, float)) or initial_scale <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {initial_scale!r}")
-        _check_int("growth_interval", growth_interval, 1)
-        self.precision, self.zero_stage = precision, zero_stage
+        self.reduce_bucket_numel = check_bucket_size(reduce_bucket_size_in_m,
+                                                     self.fp8_communication)
+        self.zero_stage = zero_stage
         self.enable_sequence_parallelism = enable_sequence_parallelism
-        self.max_norm = check_max_norm(max_norm)
         self.custom_policy = custom_policy
-        self.use_fp8, self.fp8_communication = use_fp8, fp8_communication
-        self.fp8_config = check_fp8_config(fp8_config)
-        self.comm_config = check_comm_config(comm_config)
         self.overlap_communication, self.cpu_offload = overlap_communication, cpu_offload
-        self.reduce_bucket_numel = max(1, int(reduce_bucket_size_in_m * _MIB))
-        self.initial_scale, self.growth_interval = float(initial_scale), growth_interval
-        self.fp8_report = None
         self.tp_state = None
         self.pp_state = None
         self.input_guard = None  # ReplicaInputGuard, set by boost when a replica spans ranks
@@ -194,57 +171,82 @@ class HybridParallelPlugin(Plugin):
                 f"fp8_communication={self.fp8_communication})")
 
     # ------------------------------------------------------------------------------ boost
-    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
-                  lr_scheduler=None, device=None) -> Boosted:
-        from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
+    # configure's steps (Plugin.configure). Order, as in torchtitan: pipeline split -> move /
+    # cast -> FP8 conversion -> broadcast -> tensor-parallel split -> ZeRO over dp.
+    def validate(self, model: nn.Module, optimizer) -> None:
+        from fp8boost.parallel.tp import check_plan, resolve_plan
         from fp8boost.parallel.tp.input_guard import debug_every_step
 
-        check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
         if optimizer is not None:
             ZeroOptimizer.validate(optimizer)
-        debug_inputs = debug_every_step()  # a bad value raises before any collective
-        plan = resolve_plan(model, self.custom_policy) if self.tp_size > 1 else None
-        if plan is not None:
-            check_plan(model, plan, self.tp_size)  # before any collective
-        layout = pipeline_layout(model, self.pp_size, self.pipeline) if self.pipeline else None
-        init_distributed()
-        dims = self.dims  # raises ValueError when tp * pp does not divide the world
-        device = torch.device(device) if device is not None else default_device()
-        self._topology = None
-        topo = self.topology(device)
-        self.pp_state = strip_model(model, optimizer, layout, topo) if layout else None
-        self.fp8_report = prepare_model(model, self.precision, self.use_fp8, self.fp8_config,
-                                        device)
+        self._debug_inputs = debug_every_step()  # a bad value raises before any collective
+        self._plan = resolve_plan(model, self.custom_policy) if self.tp_size > 1 else None
+        if self._plan is not None:
+            check_plan(model, self._plan, self.tp_size)  # before any collective
+        self._layout = pipeline_layout(model, self.pp_size, self.pipeline) \
+            if self.pipeline else None
+
+    def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        """Keep this rank's pipeline stages (dropping the others' parameters from
+        ``optimizer``), then move and cast."""
+        self.pp_state = strip_model(model, optimizer, self._layout, self.topology()) \
+            if self._layout else None
+        super().build_model(model, optimizer, device)
+
+    def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        from fp8boost.parallel.tp import apply_tp
+
+        topo = self.topology()
         if self.pp_state is not None:
             broadcast_stage(model, self.pp_state)
-        elif dims.world_size > 1:
-            _broadcast_module(model)
-        self._check_tp_placement(dims)
-        if plan is not None:
-            if self.pp_state is not None:
-                plan = stage_plan(plan, model)
+        else:
+            broadcast_module(model)  # from global rank 0, before the tensor-parallel split
+        self._check_tp_placement(topo.dims)
+        if self._plan is not None:
+            plan = stage_plan(self._plan, model) if self.pp_state is not None else self._plan
             self.tp_state = apply_tp(model, plan, topo.group("tp"),
                                      sequence_parallel=self.enable_sequence_parallelism,
                                      fp8_communication=self.fp8_communication)
-        _delayed_amax_over_world(model, self.pp_state.stage_group if self.pp_state else None)
+        # Delayed scaling: one amax history on every rank that holds the same layers (with pp,
+        # one stage's dp x tp ranks: other stages' reductions must not be matched with ours).
+        reduce_delayed_amax(model, self.pp_state.stage_group if self.pp_state else None)
         if self.pp_state is not None:
             build_runner(model, self.pp_state, self.pipeline, device=device,
                          act_dtype=DTYPES[self.precision], tp_size=self.tp_size,
                          sequence_parallel=self.enable_sequence_parallelism,
                          fp8_communication=self.fp8_communication, comm_config=self.comm_config)
-        opt = self._wrap_optimizer(model, optimizer, topo) if optimizer is not None else None
-        if opt is not None:
-            opt.bind_fp8_layers(model)
-            self.comm_report = opt.comm_report
-        self._boosted_module, self._boosted_optimizer = model, opt  # for save_optimizer
+        self.input_guard = self._make_input_guard(topo, device, self._debug_inputs)
+        return model
+
+    def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
+        topo = self.topology()
+        sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
+        replicated = [p for n, p in model.named_parameters() if n not in sharded]
+        opt = ZeroOptimizer(
+            optimizer, dp_group=topo.group("dp"), stage=self.zero_stage,
+            overlap_communication=self.overlap_communication,
+            reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
+            cpu_offload=self.cpu_offload,
+            loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
+            fp8_communication=self.fp8_communication, comm_config=self.comm_config,
+            fp8_reduce_scatter=self.fp8_reduce_scatter,
+            fp8_params=[m.weight for m in fp8_layers(model)],
+            tp_group=topo.group("tp") if self.tp_size > 1 else None,
+            tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
+            pp_counted_elsewhere=self._tied_copy())
+        opt.bind_fp8_layers(model)
+        self.comm_report = opt.comm_report
+        return opt
+
+    def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:
+        self._boosted_module, self._boosted_optimizer = model, optimizer  # for save_optimizer
+
+    def wrap_model(self, module: nn.Module, optimizer) -> ModelWrapper:
         wrapper = PipelineModel if self.pp_state is not None else ModelWrapper
-        wrapped = wrapper(model, DTYPES[self.precision])
-        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
-        self.input_guard = self._make_input_guard(topo, device, debug_inputs)
+        wrapped = wrapper(module, DTYPES[self.precision])
         if self.input_guard is not None and self.pp_state is None:
             self.input_guard.attach(wrapped)  # pipelines check in execute_pipeline
-        loader = shard_dataloader(dataloader, dims.dp, self.dp_rank)
-        return wrapped, opt, criterion, loader, lr_scheduler
+        return wrapped
 
     def _make_input_guard(self, topo, device: torch.device,
                           every_step: bool) -> Optional["ReplicaInputGuard"]:
@@ -312,21 +314,6 @@ class HybridParallelPlugin(Plugin):
         return execute_pipeline(self, self.pp_state, data_iter, model, criterion, optimizer,
                                 return_loss, return_outputs)
 
-    def _wrap_optimizer(self, model: nn.Module, optimizer, topo) -> ZeroOptimizer:
-        sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
-        replicated = [p for n, p in model.named_parameters() if n not in sharded]
-        return ZeroOptimizer(
-            optimizer, dp_group=topo.group("dp"), stage=self.zero_stage,
-            overlap_communication=self.overlap_communication,
-            reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
-            cpu_offload=self.cpu_offload,
-            loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
-            fp8_communication=self.fp8_communication, comm_config=self.comm_config,
-            fp8_reduce_scatter=self.fp8_reduce_scatter,
-            fp8_params=_fp8_weights(model), tp_group=topo.group("tp") if self.tp_size > 1 else None,
-            tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
-            pp_counted_elsewhere=self._tied_copy())
-
     def _tied_copy(self) -> list:
         """The last stage's copy of a tied embedding (the first stage counts it in the norm)."""
         st = self.pp_state
@@ -354,37 +341,3 @@ def tp_within_node(tp: int, world_size: int, env: Optional[dict] = None) -> bool
     env = os.environ if env is None else env
     local = int(env.get("LOCAL_WORLD_SIZE", world_size))
     return local % tp == 0
-
-
-def _fp8_weights(model: nn.Module) -> list:
-    from fp8boost.fp8.linear import Fp8Linear
-
-    return [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
-
-
-def _broadcast_module(model: nn.Module) -> None:
-    """Every rank starts from global rank 0's full weights, before the tensor-parallel split."""
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                dist.broadcast(t.view(torch.uint8), 0)  # gloo has no FP8 type
-            else:
-                dist.broadcast(t, 0)
-
-
-def _delayed_amax_over_world(model: nn.Module, group=None) -> None:
-    """Delayed scaling: one amax history for every rank (shards must share their scales).
-
-    ``group``: the ranks that hold the same layers (with pp, one stage's dp x tp ranks; other
-    stages run other layers, so their reductions must not be matched against ours).
-    """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    from fp8boost.fp8.linear import Fp8Linear
-
-    def reduce_max(a: torch.Tensor) -> None:
-        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
-
-    for m in model.modules():
-        if isinstance(m, Fp8Linear) and m._delayed:
-            m.set_amax_reduce_fn(reduce_max)

@@ -33,6 +33,7 @@ from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRu
                                         tied_embedding)
 from fp8boost.parallel.pipeline.split import CausalLMOutputs
 
+from .distributed import broadcast_module
 from .wrappers import ModelWrapper
 
 
@@ -159,12 +160,9 @@ def strip_model(model: nn.Module, optimizer, layout: PipelineLayout, topo) -> Pi
 
 def broadcast_stage(model: nn.Module, state: PipelineState) -> None:
     """Step 3: ranks of a stage start equal; the last stage's tied weight equals the first's."""
-    src = min(dist.get_process_group_ranks(state.stage_group))
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            buf = t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
-            dist.broadcast(buf, src, group=state.stage_group)
-        if state.tied is not None:
+    broadcast_module(model, state.stage_group)  # from the stage's lowest rank
+    if state.tied is not None:
+        with torch.no_grad():
             dist.broadcast(state.tied.data, state.tied_src, group=state.tied_group)
 
 

@@ -19,10 +19,7 @@ The ``Booster`` holds one plugin and owns no strategy logic of its own.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import socket
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import ContextManager, Optional
 
 import torch
@@ -31,90 +28,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, \
     RandomSampler, SequentialSampler
 
-from fp8boost import _state
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
-from .wrappers import ModelWrapper
+from .distributed import default_device, init_distributed
+from .options import OPTION_NAMES, PluginOptions, check_bool  # noqa: F401 - check_bool: old home
+from .precision import convert_model, move_and_cast, validate_optimizer, wrap_optimizer
+from .wrappers import DTYPES, ModelWrapper
 
 Boosted = tuple  # (model, optimizer, criterion, dataloader, lr_scheduler)
-
-
-def default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
-                     device: Optional[torch.device] = None) -> None:
-    """Initialise the default process group if nobody has yet.
-
-    Under ``torchrun`` (``WORLD_SIZE``/``RANK``/``MASTER_ADDR`` set) it joins that job;
-    otherwise it starts a one-process group on localhost, so plugins also work from plain
-    ``python``. The backend is NCCL with CUDA (after ``torch.cuda.set_device(LOCAL_RANK)``),
-    else gloo.
-
-    Restarts: under ``torchrun --max-restarts N`` the workers of a restarted attempt talk to
-    the same agent store as the attempt that died, and (measured on torch 2.13/gloo) they
-    could read a dead rank's address from it and fail with ``connectFullMesh ... Connection
-    refused``. The store is therefore prefixed with ``TORCHELASTIC_RESTART_COUNT`` (and with
-    this process's init count), so every attempt forms its group from its own keys.
-
-    Args:
-        backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, else gloo.
-        timeout_s: collective timeout: a crashed peer ends the job after this long instead
-            of hanging it.
-        device: the CUDA device of this rank for NCCL (``device_id``; eager connection).
-
-    Example:
-        >>> from fp8boost.plugins import init_distributed
-        >>> init_distributed()  # doctest: +SKIP
-    """
-    if dist.is_initialized():
-        return
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(device if device is not None and device.type == "cuda"
-                              else int(os.environ.get("LOCAL_RANK", "0")))
-    backend = backend or ("nccl" if cuda else "gloo")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": device} if device is not None and device.type == "cuda" else {}
-    if all(k in os.environ for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")):
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = _job_store(rank, world, timeout)
-        if store is None:
-            dist.init_process_group(backend, timeout=timeout, **kwargs)
-        else:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                    timeout=timeout, **kwargs)
-        _state.next_init_count()  # the next group gets a fresh store prefix
-        return
-    with socket.socket() as s:  # a free port for the one-process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1, timeout=timeout)
-
-
-def _job_store(rank: int, world: int, timeout: datetime.timedelta):
-    """torchrun's store under a prefix of this attempt (see ``init_distributed``), or None
-    outside torchelastic (plain ``env://`` then)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        return None
-    # TORCHELASTIC_USE_AGENT_STORE=True: the agent hosts the store and every rank is a client
-    # (torch's own env:// handler does the same); otherwise rank 0 hosts it.
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent and rank == 0, timeout=timeout,
-                          multi_tenant=not agent)
-    return dist.PrefixStore(f"fp8boost/attempt{attempt}/init{_state.init_count()}", store)
-
-
-def check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler) -> None:
@@ -218,12 +139,28 @@ def shard_dataloader(dataloader: Optional[DataLoader], world: int, rank: int,
 class Plugin(ABC):
     """Base class of every training strategy (see the module docstring for what it controls).
 
-    Subclasses implement ``configure``; the defaults below fit plugins whose optimizer wrapper
-    implements ``backward``/``no_sync``/``clip_grad_norm_`` and the checkpoint protocol.
+    The constructor keeps the shared options, validated, as ``self.options``
+    (:class:`~fp8boost.plugins.options.PluginOptions`; ``self.precision``, ``self.use_fp8``, ...
+    read them). ``boost`` runs :meth:`configure`, one fixed sequence of steps; a plugin
+    overrides the steps its strategy changes, never the sequence. The defaults fit one model
+    replica per rank whose optimizer wrapper implements ``backward``/``no_sync``/
+    ``clip_grad_norm_`` and the checkpoint protocol.
     """
 
     #: precisions this plugin accepts
     supported_precisions: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+    def __init__(self, **options) -> None:
+        self.options = PluginOptions(**options)
+        self.fp8_report = None  # the last boost's ConversionReport (None without use_fp8)
+        self.comm_report: dict = {}  # which collectives the last boost put in FP8, and why not
+
+    def __getattr__(self, name: str):
+        # plugin.precision, plugin.use_fp8, ...: the shared options. (Transitional: plugins not
+        # yet moved to PluginOptions still set these as attributes of their own.)
+        if name in OPTION_NAMES and "options" in self.__dict__:
+            return getattr(self.options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def control_precision(self) -> bool:
         """True when the plugin's own ``precision`` argument decides the training dtype."""
@@ -234,10 +171,77 @@ class Plugin(ABC):
         raise ValueError(f"{type(self).__name__} sets precision itself: pass precision=... to the "
                          "plugin and leave Booster(mixed_precision=None)")
 
-    @abstractmethod
+    # ---------------------------------------------------------------------------- boost
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None, device=None) -> Boosted:
-        """Wrap everything for training; returns (model, optimizer, criterion, dataloader, lr_scheduler)."""
+        """Wrap everything for training; returns (model, optimizer, criterion, dataloader,
+        lr_scheduler). Called by ``Booster.boost``.
+
+        The steps, in this order (each a method below): ``validate`` (before any collective)
+        -> ``setup_distributed`` -> ``build_model`` (move, cast; materialize) -> ``convert_fp8``
+        -> ``parallelize`` (broadcast, shard, split) -> ``wrap_optimizer`` ->
+        ``bind_checkpoint_io``; then the model is wrapped and the dataloader sharded over dp.
+        """
+        check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
+        self.validate(model, optimizer)
+        device = self.setup_distributed(device)
+        self.build_model(model, optimizer, device)
+        self.fp8_report = self.convert_fp8(model)
+        module = self.parallelize(model, device)
+        opt = self.wrap_optimizer(model, optimizer, device) if optimizer is not None else None
+        self.bind_checkpoint_io(model, opt)
+        wrapped = self.wrap_model(module, opt)
+        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
+        return wrapped, opt, criterion, loader, lr_scheduler
+
+    def validate(self, model: nn.Module, optimizer) -> None:
+        """Step 1: plugin-specific checks of the boost arguments, before any collective runs
+        (``check_boost_args`` has run). Default: what the single-replica optimizer wrapper
+        needs."""
+        validate_optimizer(optimizer, self.precision)
+
+    def setup_distributed(self, device) -> torch.device:
+        """Step 2: join the process group and build this run's mesh; returns the device."""
+        init_distributed()
+        device = torch.device(device) if device is not None else default_device()
+        self._topology = None  # a fresh mesh for this run's process group
+        self.topology(device)
+        return device
+
+    def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        """Step 3: put the user's model on ``device`` in the working ``precision``, in place
+        (a plugin that builds, materializes or splits the model does it here)."""
+        move_and_cast(model, self.precision, device)
+
+    def convert_fp8(self, model: nn.Module):
+        """Step 4: swap eligible linears for FP8 ones (``use_fp8``); the ConversionReport.
+
+        ``convert_to_fp8`` warns (once) when nothing converted, saying why."""
+        return convert_model(model, self.use_fp8, self.fp8_config)
+
+    def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """Step 5: make the replicas equal and shard or split ``model`` (in place); returns
+        the module to wrap (e.g. a ``DistributedDataParallel``). Default: one process."""
+        return model
+
+    def wrap_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       device: torch.device):
+        """Step 6: the boosted optimizer over ``model``'s parameters (``optimizer`` is not
+        None). Default: single-replica master weights / loss scaling / clipping."""
+        return wrap_optimizer(optimizer, self.precision, self.max_norm, self.initial_scale,
+                              self.growth_interval, fused_master_step=self.fused_master_step)
+
+    def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:
+        """Step 7: remember what this plugin's checkpoint IO needs from the boost (default:
+        nothing; the wrapped model carries its optimizers)."""
+
+    def wrap_model(self, module: nn.Module, optimizer) -> ModelWrapper:
+        """The boosted model returned to the user: casts floating inputs to the working dtype."""
+        return ModelWrapper(module, DTYPES[self.precision])
+
+    #: ``MixedPrecision.fused_master_step`` for the single-replica optimizer wrapper
+    fused_master_step: Optional[bool] = None
 
     # ---------------------------------------------------------------------------- topology
     #: pipeline / tensor parallel sizes; data parallel takes the rest of the world
@@ -348,3 +352,4 @@ class Plugin(ABC):
         for opt in getattr(model, "_fp8boost_optimizers", ()):
             if hasattr(opt, "sync_master_from_model"):
                 opt.sync_master_from_model()
+

@@ -15,38 +15,26 @@ from torch import nn
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.parallel.zero import DynamicLossScaler, ZeroOptimizer
 
-from .wrappers import DTYPES, PRECISIONS, OptimizerWrapper, cast_params_
+from .options import check_comm_config, check_fp8_config, check_max_norm, check_precision  # noqa: F401 - transitional
+from .wrappers import DTYPES, OptimizerWrapper, cast_params_
 
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
-def check_precision(precision: object, allowed: tuple[str, ...] = PRECISIONS) -> str:
-    if precision not in allowed:
-        raise ValueError(f"precision={precision!r} is not supported; use one of {allowed} "
-                         "(FP8 GEMMs are turned on with use_fp8=True on top of bf16)")
-    return precision  # type: ignore[return-value]
+def move_and_cast(model: nn.Module, precision: str, device: torch.device) -> None:
+    """Move ``model`` to ``device`` and cast its floating parameters to ``precision``."""
+    model.to(device)
+    if precision != "fp32":
+        cast_params_(model, DTYPES[precision])
 
 
-def check_fp8_config(fp8_config: object) -> Optional[Fp8Config]:
-    if fp8_config is not None and not isinstance(fp8_config, Fp8Config):
-        raise TypeError(f"fp8_config must be an fp8boost.fp8.Fp8Config, got {type(fp8_config).__name__}")
-    return fp8_config
-
-
-def check_comm_config(comm_config: object):
-    if comm_config is None:
+def convert_model(model: nn.Module, use_fp8: bool, fp8_config: Optional[Fp8Config]):
+    """``convert_to_fp8(model, fp8_config)`` when ``use_fp8`` (it warns once when nothing
+    converted, saying why); its ``ConversionReport``, or None without ``use_fp8``."""
+    if not use_fp8:
         return None
-    from fp8boost.parallel.comm.config import Fp8CommConfig
-    if not isinstance(comm_config, Fp8CommConfig):
-        raise TypeError("comm_config must be an fp8boost.parallel.comm.config.Fp8CommConfig, "
-                        f"got {type(comm_config).__name__}")
-    return comm_config
-
-
-def check_max_norm(max_norm: object) -> float:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-        raise ValueError(f"max_norm must be a number >= 0 (0 disables clipping), got {max_norm!r}")
-    return float(max_norm)
+    from fp8boost.fp8 import convert_to_fp8  # the FP8 layer is imported only when used
+    return convert_to_fp8(model, fp8_config)
 
 
 def prepare_model(model: nn.Module, precision: str, use_fp8: bool,
@@ -55,23 +43,15 @@ def prepare_model(model: nn.Module, precision: str, use_fp8: bool,
 
     Returns the ``ConversionReport`` of the FP8 conversion (None without ``use_fp8``).
     """
-    model.to(device)
-    if precision != "fp32":
-        cast_params_(model, DTYPES[precision])
-    if not use_fp8:
-        return None
-    from fp8boost.fp8 import convert_to_fp8  # the FP8 layer is imported only when used
-    from fp8boost.fp8.backends import warn_once
+    move_and_cast(model, precision, device)
+    return convert_model(model, use_fp8, fp8_config)
 
-    report = convert_to_fp8(model, fp8_config)
-    if not report.converted:
-        # use_fp8=True that converts nothing must not pass for an FP8 run.
-        reasons = sorted(set(report.skipped.values()))
-        warn_once(f"fp8-nothing-converted-{reasons}",
-                  "fp8boost: use_fp8=True but no linear layer was converted to FP8 "
-                  f"({'; '.join(reasons) or 'the model has no nn.Linear'}). Pass "
-                  "fp8_config=Fp8Config(min_numel=0) to convert small layers anyway.")
-    return report
+
+def validate_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: str) -> None:
+    """What ``wrap_optimizer`` needs of ``optimizer``, checked before anything moves: the
+    master-weight wrapper (any precision but fp32) takes ``ZeroOptimizer``'s optimizers."""
+    if optimizer is not None and precision != "fp32":
+        ZeroOptimizer.validate(optimizer)
 
 
 def make_loss_scaler(precision: str, initial_scale: float, growth_interval: int):

@@ -1,0 +1,143 @@
+"""Issue 24 items 1-2: the options every plugin shares are declared once (``PluginOptions``) and
+reach every plugin's public signature; ``configure`` is one skeleton.
+
+The signatures below were snapshotted before the shared options moved out of the plugins
+(commit dd8464b): the positional parameters, in order, and the keyword-only ones, with their
+defaults. The move must not change them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pydoc
+
+import pytest
+
+from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, Plugin,
+                              TorchDDPPlugin, TorchFSDPPlugin)
+from fp8boost.plugins.options import PluginOptions
+
+PLUGINS = [TorchDDPPlugin, LowLevelZeroPlugin, GeminiPlugin, TorchFSDPPlugin, HybridParallelPlugin]
+#: the plugins already built on PluginOptions and the configure skeleton (the others follow)
+MOVED = [HybridParallelPlugin]
+
+#: {plugin: (positional (name, default) in order, {keyword-only name: default})} before the move
+BEFORE = {
+    "TorchDDPPlugin": (
+        (("use_fp8", False), ("fp8_communication", False)),
+        {"precision": None, "max_norm": 0.0, "broadcast_buffers": True, "bucket_cap_mb": 25,
+         "find_unused_parameters": False, "gradient_as_bucket_view": True,
+         "static_graph": False, "fp8_config": None, "comm_config": None}),
+    "LowLevelZeroPlugin": (
+        (("stage", 2), ("precision", "bf16"), ("use_fp8", False), ("fp8_communication", False)),
+        {"overlap_communication": True, "reduce_bucket_size_in_m": None, "max_norm": 0.0,
+         "cpu_offload": False, "master_weights": True, "initial_scale": 65536.0,
+         "growth_interval": 1000, "fp8_config": None, "comm_config": None,
+         "fp8_param_gather": "fp8_linear", "fp8_reduce_scatter": False}),
+    "GeminiPlugin": (
+        (("precision", "bf16"), ("max_norm", 0.0), ("norm_type", 2.0)),
+        {"offload_optim_frac": 0.0, "offload_param_frac": 0.0,
+         "enable_gradient_accumulation": False, "reshard_after_forward": True, "use_fp8": False,
+         "fp8_communication": False, "fp8_reduce_scatter": False, "fp8_config": None,
+         "comm_config": None, "initial_scale": 65536.0, "growth_interval": 1000}),
+    "TorchFSDPPlugin": (
+        (("precision", "bf16"), ("max_norm", 0.0)),
+        {"reshard_after_forward": True, "cpu_offload": False, "use_fp8": False,
+         "fp8_communication": False, "fp8_reduce_scatter": False, "fp8_config": None,
+         "comm_config": None, "initial_scale": 65536.0, "growth_interval": 1000}),
+    "HybridParallelPlugin": (
+        (("tp_size", 1), ("pp_size", 1), ("precision", "bf16"), ("zero_stage", 0),
+         ("enable_sequence_parallelism", False), ("sequence_parallelism_mode", None),
+         ("max_norm", 0.0), ("custom_policy", None), ("use_fp8", False),
+         ("fp8_communication", False), ("fp8_config", None)),
+        {"comm_config": None, "overlap_communication": True, "reduce_bucket_size_in_m": None,
+         "cpu_offload": False, "initial_scale": 65536.0, "growth_interval": 1000,
+         "num_microbatches": None, "microbatch_size": None, "pp_style": "1f1b",
+         "num_model_chunks": 1, "num_layers_per_stage": None, "fp8_reduce_scatter": False}),
+}
+
+#: shared options a plugin does not take (DDP has no loss-scaling arguments and its FP8 hook
+#: already all-reduces gradients in FP8)
+NOT_TAKEN = {"TorchDDPPlugin": {"fp8_reduce_scatter", "initial_scale", "growth_interval"}}
+
+
+def _split(cls) -> tuple[tuple, dict]:
+    params = [p for p in inspect.signature(cls).parameters.values()]
+    assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params), params
+    return (tuple((p.name, p.default) for p in params if p.kind is p.POSITIONAL_OR_KEYWORD),
+            {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY})
+
+
+@pytest.mark.parametrize("cls", PLUGINS, ids=lambda c: c.__name__)
+def test_signature_is_unchanged(cls):
+    positional, keyword = _split(cls)
+    before_positional, before_keyword = BEFORE[cls.__name__]
+    assert positional == before_positional  # the order positional callers rely on
+    assert keyword == before_keyword
+    # __init__ itself (what help() shows) has the same signature as the class
+    assert list(inspect.signature(cls.__init__).parameters)[1:] == \
+        list(inspect.signature(cls).parameters)
+
+
+@pytest.mark.parametrize("cls", MOVED, ids=lambda c: c.__name__)
+def test_every_shared_option_reaches_every_plugin(cls):
+    """A field added to PluginOptions appears in every plugin's signature with its default."""
+    params = inspect.signature(cls).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(PluginOptions)}
+    missing = set(defaults) - set(params) - NOT_TAKEN.get(cls.__name__, set())
+    assert not missing, f"{cls.__name__} lacks shared options {missing}"
+    for name in set(defaults) & set(params):
+        if not (cls is TorchDDPPlugin and name == "precision"):  # None: the Booster decides
+            assert params[name].default == defaults[name], name
+    shown = pydoc.render_doc(cls, renderer=pydoc.plaintext)  # what help(cls) prints
+    assert all(f" {name}: " in shown or f" {name}=" in shown for name in params), shown
+
+
+@pytest.mark.parametrize("cls", MOVED, ids=lambda c: c.__name__)
+def test_options_are_one_frozen_validated_object(cls):
+    plugin = cls(use_fp8=True, max_norm=1)
+    assert isinstance(plugin.options, PluginOptions)
+    assert plugin.use_fp8 is True and plugin.max_norm == 1.0 and plugin.options.max_norm == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plugin.options.use_fp8 = False
+    with pytest.raises(TypeError, match="use_fp8 must be True or False"):
+        cls(use_fp8=1)
+    with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
+        cls(max_norm=-1)
+    with pytest.raises(ValueError, match="precision='int8' is not supported"):
+        cls(precision="int8")
+    with pytest.raises(TypeError, match="fp8_config must be"):
+        cls(fp8_config="tensorwise")
+    with pytest.raises(TypeError, match="comm_config must be"):
+        cls(comm_config="fp8")
+    with pytest.raises(TypeError, match=f"{cls.__name__}\\(\\): .*unexpected keyword.*'use_fp9'"):
+        cls(use_fp9=True)
+    if "fp8_reduce_scatter" in inspect.signature(cls).parameters:
+        with pytest.raises(ValueError, match="fp8_reduce_scatter=True needs fp8_communication"):
+            cls(fp8_reduce_scatter=True)
+        with pytest.raises(ValueError, match=r"initial_scale must be a number in \[1, 2\*\*32\]"):
+            cls(initial_scale=0.5)
+        with pytest.raises(ValueError, match="growth_interval must be an int >= 1"):
+            cls(growth_interval=0)
+
+
+def test_positional_arguments_keep_their_order():
+    ddp = TorchDDPPlugin(True, True)
+    assert ddp.use_fp8 and ddp.fp8_communication and ddp.precision == "fp32"
+    zero = LowLevelZeroPlugin(1, "fp16", True, True)
+    assert (zero.stage, zero.precision, zero.use_fp8, zero.fp8_communication) == \
+        (1, "fp16", True, True)
+    gemini = GeminiPlugin("fp16", 1.0, 1.0)
+    assert (gemini.precision, gemini.max_norm, gemini.norm_type) == ("fp16", 1.0, 1.0)
+    assert TorchFSDPPlugin("fp32", 2.0).max_norm == 2.0
+    hybrid = HybridParallelPlugin(2, 1, "fp16", 1, True, None, 1.0, None, True, True)
+    assert (hybrid.tp_size, hybrid.precision, hybrid.zero_stage, hybrid.max_norm,
+            hybrid.use_fp8, hybrid.fp8_communication) == (2, "fp16", 1, 1.0, True, True)
+    with pytest.raises(TypeError, match="HybridParallelPlugin\\(\\): too many positional"):
+        HybridParallelPlugin(2, 1, "fp16", 1, True, None, 1.0, None, True, True, None, True)
+
+
+@pytest.mark.parametrize("cls", MOVED, ids=lambda c: c.__name__)
+def test_configure_is_the_one_skeleton(cls):
+    """Plugins fill in configure's steps; none rewrites the sequence itself."""
+    assert cls.configure is Plugin.configure
