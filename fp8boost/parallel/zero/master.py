@@ -202,6 +202,12 @@ class MasterWeightOptimizer(OptimizerProxy):
         self._publish()
         self.zero_grad()
 
+    def accumulate_grad(self, index: int, chunk: torch.Tensor) -> None:
+        """Add ``chunk`` (FP32, this rank's chunk of parameter ``index``'s gradient, reduced
+        elsewhere) to the gradient the next step takes; called by ZeRO's gradient reducer."""
+        cur = self._grad_shards[index]
+        self._grad_shards[index] = chunk if cur is None else cur.add_(chunk)
+
     # ------------------------------------------------------ hooks of the data-parallel layer
     def _after_backward(self) -> None:
         """End of :meth:`backward`: nothing to reduce on one data-parallel rank."""

@@ -123,7 +123,7 @@ class ZeroOptimizer(MasterWeightOptimizer):
                                   fp8_grads=fp8_reduce_scatter) if self.dp_world > 1 else None)
         self._reducer = (GradReducer(self.params, self.shards, self.dp_world, max(stage, 1),
                                      reduce_bucket_numel, overlap_communication, self._comm,
-                                     self._accumulate) if self.dp_world > 1 else None)
+                                     self.accumulate_grad) if self.dp_world > 1 else None)
         fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
         self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
                                 for p in self.params]
@@ -220,10 +220,6 @@ class ZeroOptimizer(MasterWeightOptimizer):
             self._unsynced_grads = False
             self._reducer.mark_ready(index)
         return hook
-
-    def _accumulate(self, index: int, chunk: torch.Tensor) -> None:
-        cur = self._grad_shards[index]
-        self._grad_shards[index] = chunk if cur is None else cur.add_(chunk)
 
     # ---------------------------------------------------------------------------- checkpoints
     def exact_working_params(self) -> dict[int, torch.Tensor]:
