@@ -134,7 +134,7 @@ class _StreamedFile:
             raise RuntimeError(f"{self.path} is incomplete: {len(self.expected)} tensors missing")
 
 
-class _Sink:
+class Sink:
     """Rank 0's files. A write that fails (disk full, ...) is remembered, not raised: the other
     ranks are still gathering, and rank 0 must keep joining those collectives until the end
     (then ``atomic_save_dir`` drops the partial directory on every rank)."""
@@ -173,7 +173,8 @@ def plan_files(sd: dict[str, torch.Tensor], shard: bool, size_mb: float) -> list
     return [sorted(keys, key=lambda k: -sd[k].element_size()) for keys in plan]
 
 
-def _file_names(plan: list[list[str]], shard: bool) -> list[str]:
+def file_names(plan: list[list[str]], shard: bool) -> list[str]:
+    """The HF file names of ``plan``'s files (``model.safetensors`` when not sharded)."""
     if not shard:
         return [MODEL_SINGLE]
     return [f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
@@ -200,8 +201,8 @@ def write_gathered(module: nn.Module, directory: str, shard: bool, size_mb: floa
     """
     sd = unique_state(module)
     plan = plan_files(sd, shard, size_mb)
-    names = _file_names(plan, shard)
-    sink = _Sink(directory) if writer else None
+    names = file_names(plan, shard)
+    sink = Sink(directory) if writer else None
     for name, keys in zip(names, plan):
         if sink is not None:
             sink.open(name, [(k, sd[k]) for k in keys])
@@ -219,7 +220,7 @@ def write_gathered(module: nn.Module, directory: str, shard: bool, size_mb: floa
 
 
 # ------------------------------------------------------------------------------ reading
-class _Reader:
+class Reader:
     """Opened safetensors files of one checkpoint; errors name the file."""
 
     def __init__(self, directory: str) -> None:
@@ -344,7 +345,7 @@ def read_sharded(module: nn.Module, directory: str, strict: bool = True) -> None
     """
     files = checkpoint_files(directory)
     own = module.state_dict(keep_vars=True)
-    reader = _Reader(directory)
+    reader = Reader(directory)
     try:
         where: dict[str, str] = {}
         shapes: dict[str, tuple] = {}

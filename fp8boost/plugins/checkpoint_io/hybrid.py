@@ -125,10 +125,10 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     shapes = {k: torch.empty(_full_shape(t, dims.get(k), size), dtype=t.dtype, device="meta")
               for k, t in sd.items()}
     plan = hf.plan_files(shapes, shard, size_mb)
-    names = hf._file_names(plan, shard)
+    names = hf.file_names(plan, shard)
     writer = coord.rank(plugin.checkpoint_group) == 0
     sends = size > 1 and plugin.dp_rank == 0  # rank 0's tp group
-    sink = hf._Sink(directory) if writer else None
+    sink = hf.Sink(directory) if writer else None
     with torch.no_grad():
         for fname, keys in zip(names, plan):
             if sink is not None:
@@ -189,7 +189,7 @@ def read_hf_sliced(plugin, model: nn.Module, directory: str, strict: bool = True
     dims, _, size, rank = _tp_layout(plugin)
     files = hf.checkpoint_files(directory)
     own = module.state_dict(keep_vars=True)
-    reader = hf._Reader(directory)
+    reader = hf.Reader(directory)
     try:
         keys_of: dict[str, list[str]] = {}
         shapes: dict[str, tuple] = {}

@@ -63,8 +63,8 @@ def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool, 
     my_pp = plugin.topology().rank("pp")
     pp_of = plugin.topology().dims.coords
     plan = hf.plan_files(shapes, shard, size_mb)
-    names = hf._file_names(plan, shard)
-    sink = hf._Sink(directory) if me == 0 else None
+    names = hf.file_names(plan, shard)
+    sink = hf.Sink(directory) if me == 0 else None
     device = _device(module)
     with torch.no_grad():
         for fname, keys in zip(names, plan):
