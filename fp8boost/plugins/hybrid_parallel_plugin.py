@@ -241,6 +241,10 @@ class HybridParallelPlugin(Plugin):
     def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:
         self._boosted_module, self._boosted_optimizer = model, optimizer  # for save_optimizer
 
+    # The model and optimizer of the last boost (None before one): HybridCheckpointIO's names.
+    boosted_module = property(lambda self: getattr(self, "_boosted_module", None))
+    boosted_optimizer = property(lambda self: getattr(self, "_boosted_optimizer", None))
+
     def wrap_model(self, module: nn.Module, optimizer) -> ModelWrapper:
         wrapper = PipelineModel if self.pp_state is not None else ModelWrapper
         wrapped = wrapper(module, DTYPES[self.precision])

@@ -420,8 +420,8 @@ class HybridCheckpointIO(CheckpointIO):
         self._read_state(os.fspath(path), module, optimizer, with_model=False)
 
     def _module_of(self, optimizer):
-        module = getattr(self.plugin, "_boosted_module", None)
-        if module is None or getattr(self.plugin, "_boosted_optimizer", None) is not optimizer:
+        module = self.plugin.boosted_module
+        if module is None or self.plugin.boosted_optimizer is not optimizer:
             raise ValueError("save_optimizer/load_optimizer need the optimizer returned by this "
                              "plugin's boost() (its parameter names come from the model boosted "
                              "with it); or use booster.save_checkpoint(path, model, optimizer)")
