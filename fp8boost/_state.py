@@ -26,9 +26,10 @@ import time):
 
 :func:`reset` (tests) forgets warn/log-once keys and probe results, empties every named cache
 in place (a module holding a reference to one sees it empty), calls ``clear()`` on every
-tracked object and puts every setting back to its default. It does not rewind the two counters: they identify things (an epoch a cached FP8
-weight was cast in, a store prefix another group used), and counting again from zero would
-let an old cache entry or store key match again. The step hook stays registered.
+tracked object and puts every setting back to its default. It does not rewind the two
+counters: they identify things (an epoch a cached FP8 weight was cast in, a store prefix
+another group used), and counting again from zero would let an old cache entry or store key
+match again. The step hook stays registered.
 """
 from __future__ import annotations
 
@@ -220,8 +221,9 @@ def reset() -> None:
     """Clear all process-wide state except the two counters (see the module docstring).
 
     Forgets warn/log-once keys and probe results, empties every named cache in place, calls
-    ``clear()`` on every tracked object and restores every setting's default. The step epoch, the process-group count and the step
-    hook stay: rewinding a counter would let an old cache entry or store key match again.
+    ``clear()`` on every tracked object and restores every setting's default. The step epoch,
+    the process-group count and the step hook stay: rewinding a counter would let an old cache
+    entry or store key match again.
     """
     with _LOCK:
         _WARNED.clear()

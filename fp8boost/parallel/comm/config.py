@@ -87,10 +87,10 @@ class Fp8CommConfig:
     power_of_2_wire_scale: bool = True
     """Round every scale of the wire encoding down to a power of two. Scaling and de-scaling
     are then exact in BF16 and FP32, so the cast needs no FP32 temporary and dequantization
-    writes the output dtype directly; the cost is at most one binade of the FP8 subnormal range (precision of normal
-    values is unchanged). (Formerly ``power_of_2_scale``, the name of ``Fp8Config``'s rounding of
-    the FP8 GEMM operands' scales; FSDP's direct FP8 weight all-gather follows that one, since
-    its bytes are the GEMM operand.)"""
+    writes the output dtype directly; the cost is at most one binade of the FP8 subnormal range
+    (precision of normal values is unchanged). (Formerly ``power_of_2_scale``, the name of
+    ``Fp8Config``'s rounding of the FP8 GEMM operands' scales; FSDP's direct FP8 weight
+    all-gather follows that one, since its bytes are the GEMM operand.)"""
 
     all_gather_scale: str = "per_rank"
     """``per_rank``: each rank scales its shard by its own amax and the FP32 inverse scale travels
