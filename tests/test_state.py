@@ -122,7 +122,7 @@ def _fill_everything() -> list:
     get_backend("emulated", torch.device("cpu"))  # fills the "fp8.backends" cache
     src = torch.ones(2)
     shared_cast.store(src, ("k",), "fp8-of-src")
-    comm_utils._config(None)  # the default Fp8CommConfig probe
+    comm_utils.resolve_config(None)  # the default Fp8CommConfig probe
     master = torch.zeros(4)
     fused_step._next_step(master, {"step": torch.tensor(0.0)})
     cache = tuning.ConfigCache("test-state")

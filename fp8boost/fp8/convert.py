@@ -19,7 +19,7 @@ from torch import nn
 from fp8boost import _state
 
 from .config import DEFAULT_MIN_NUMEL, Fp8Config
-from .linear import Fp8Linear
+from .linear import Fp8Linear, Fp8LinearFunction
 from .prequantized import Fp8WeightTensor, dequantize_weight
 from .scaling import Fp8Tensor
 
@@ -177,7 +177,7 @@ class Fp8Conv1D(Fp8Linear):
             new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=dev)
             new.fp8_scale = torch.ones_like(new.fp8_scale, device=dev)
         new.train(conv.training)
-        new._resolve_backend_early()
+        new.resolve_backend()
         return new
 
     def _prequantized_ok(self, w: torch.Tensor) -> bool:
@@ -196,9 +196,7 @@ class Fp8Conv1D(Fp8Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Conv1D expected last dim {self.in_features}, got "
                              f"{tuple(x.shape)}")
-        self._resolve_backend(x.device)
-        from .linear import _Fp8LinearFn  # the same autograd function as Fp8Linear
-
+        self.resolve_backend(x.device)
         weight = self.weight
         if isinstance(weight, Fp8WeightTensor):
             weight = dequantize_weight(weight)
@@ -206,7 +204,7 @@ class Fp8Conv1D(Fp8Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         # The Function returns the weight gradient as [out, in]; passing the transposed view
         # lets autograd hand the [in, out] Parameter its gradient in its own layout.
-        y = _Fp8LinearFn.apply(x2d, weight.t(), bias, self)
+        y = Fp8LinearFunction.apply(x2d, weight.t(), bias, self)  # Fp8Linear's own GEMMs
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -276,7 +274,7 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
     report = ConversionReport()
 
     def make(mod: nn.Module, fqn: str) -> Optional[nn.Module]:
-        if isinstance(mod, Fp8Linear):
+        if is_fp8_layer(mod):
             report.already_fp8.append(fqn)
             return None
         conv1d = is_hf_conv1d(mod)
@@ -324,7 +322,7 @@ def convert_from_fp8(model: nn.Module) -> int:
 
     def make(mod: nn.Module, fqn: str) -> Optional[nn.Module]:
         nonlocal count
-        if not isinstance(mod, Fp8Linear):
+        if not is_fp8_layer(mod):
             return None
         with torch.device("meta"):
             if isinstance(mod, Fp8Conv1D):  # back to HF Conv1D, same [in, out] Parameter

@@ -36,8 +36,9 @@ from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import Fp8Config
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
-from .prequantized import (Fp8WeightTensor, dequantize_weight, fp8_weight_operand,
-                           fp8_weight_transpose, transpose_fp8)
+from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
+                           fp8_operand_mismatch, fp8_weight_operand, fp8_weight_transpose,
+                           transpose_fp8)
 from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
 
 _ROLES = ("input", "weight", "grad")
@@ -58,7 +59,10 @@ def invalidate_weight_caches(model: nn.Module) -> None:
             mod._w_cache = None
 
 
-class _Fp8LinearFn(torch.autograd.Function):
+class Fp8LinearFunction(torch.autograd.Function):
+    """The three FP8 GEMMs of :class:`Fp8Linear` (and ``Fp8Conv1D``) as one autograd function:
+    ``Fp8LinearFunction.apply(x2d, weight [out, in], bias, layer)``; ``layer`` casts."""
+
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer: "Fp8Linear"):
         backend, cfg = layer._fp8_backend, layer.fp8_config
@@ -101,7 +105,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         layer = ctx.layer
         if ctx.direct and ctx.need_dgrad:  # the Fp8WeightTensor itself was saved
-            wq_t, w_inv = fp8_weight_transpose(wq_t), wq_t._inv_scale
+            wq_t, w_inv = fp8_weight_transpose(wq_t), wq_t.inv_scale
         elif ctx.recast:  # the Parameter and its amax (in w_inv's slot) were saved
             if _compiling() and dy.numel():
                 # AOTAutograd's partitioner moves work that needs no gradient into the forward
@@ -148,7 +152,7 @@ class Fp8Linear(nn.Linear):
                  dtype=None, *, config: Optional[Fp8Config] = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(config if config is not None else Fp8Config())
-        self._resolve_backend_early()
+        self.resolve_backend()
 
     def _init_fp8(self, config: Fp8Config) -> None:
         if not isinstance(config, Fp8Config):
@@ -190,7 +194,7 @@ class Fp8Linear(nn.Linear):
             new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=linear.weight.device)
             new.fp8_scale = torch.ones_like(new.fp8_scale, device=linear.weight.device)
         new.train(linear.training)
-        new._resolve_backend_early()
+        new.resolve_backend()
         return new
 
     def set_amax_reduce_fn(self, fn) -> None:
@@ -214,6 +218,10 @@ class Fp8Linear(nn.Linear):
         self._amax_groups = {k: g for k, g in groups.items() if g is not None}
         self._w_cache = None
 
+    def amax_group(self, role: str):
+        """The process group ``role``'s amax is all-reduced over (see :meth:`set_amax_groups`)."""
+        return self._amax_groups.get(role)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self._delayed and prefix + "fp8_amax_history" in state_dict:
@@ -222,29 +230,37 @@ class Fp8Linear(nn.Linear):
         self._w_cache = None
         self._pre_w = None  # a prequantized operand describes the weight before this load
 
-    def _resolve_backend(self, device: torch.device) -> None:
-        if self._fp8_backend is None or self._backend_device != device:
-            self._fp8_backend = get_backend(self.fp8_config.backend, device)
-            self._backend_device = device
+    @property
+    def prequantized_weight(self) -> Optional[PrequantizedWeight]:
+        """The operand set by :meth:`set_prequantized_weight`, until it is dropped."""
+        return self.__dict__.get("_pre_w")
 
-    def _resolve_backend_early(self) -> None:
-        """Pick the backend now, where the weight's device already decides it.
+    def resolve_backend(self, device: Optional[torch.device] = None) -> Optional[Fp8Backend]:
+        """This layer's FP8 backend for inputs on ``device`` (picked on first use, then kept).
 
-        Resolved lazily in a compiled layer's first forward, the choice is a side effect that
-        dynamo guards on (``_fp8_backend`` and the backend cache), so the second forward
+        Without ``device``: pick it now where the weight's device already decides it (else
+        None). Resolved lazily in a compiled layer's first forward, the choice is a side effect
+        that dynamo guards on (``_fp8_backend`` and the backend cache), so the second forward
         recompiles the layer (on an H100 Llama the compiled FP8 model showed 3 graphs and ~6 s
         of extra warm-up where BF16 has 1; this was one cause). So a layer built with, or moved
         to, a GPU weight resolves at once (and under the device-independent emulated backend
         on any real device). A CPU weight under "auto" stays lazy: the model may move later.
         """
-        dev = self.weight.device
-        if dev.type == "cuda" or (self.fp8_config.backend == "emulated" and dev.type != "meta"):
-            self._resolve_backend(dev)
+        if device is None:
+            dev = self.weight.device
+            if dev.type != "cuda" and (self.fp8_config.backend != "emulated" or
+                                       dev.type == "meta"):
+                return None
+            device = dev
+        if self._fp8_backend is None or self._backend_device != device:
+            self._fp8_backend = get_backend(self.fp8_config.backend, device)
+            self._backend_device = device
+        return self._fp8_backend
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / to_empty(): the weight may now sit on the device that decides.
         out = super()._apply(fn, *args, **kwargs)
-        self._resolve_backend_early()
+        self.resolve_backend()
         return out
 
     def _cast_fn(self):
@@ -296,13 +312,14 @@ class Fp8Linear(nn.Linear):
         """The input operand: the bytes of an FP8 carrier as they are (e.g. the sequence-
         parallel FP8 all-gather's output: no amax, no cast), else a cast of ``x2d``."""
         if isinstance(x2d, Fp8WeightTensor):
-            why = self._carrier_mismatch(x2d)
+            why = fp8_operand_mismatch(x2d, "input", self.fp8_config.fwd_dtype,
+                                       bool(self._delayed))
             if why is None:
-                data = x2d._data.contiguous()
+                data = x2d.fp8_data.contiguous()
                 data_t = None
                 if with_transpose:
-                    data_t = x2d._data_t if x2d._data_t is not None else transpose_fp8(data)
-                return Fp8Tensor(data, x2d._inv_scale, data_t)
+                    data_t = x2d.fp8_data_t if x2d.fp8_data_t is not None else transpose_fp8(data)
+                return Fp8Tensor(data, x2d.inv_scale, data_t)
             _state.warn_once(("fp8-linear-prequantized-input", why),
                              f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 input: {why}")
             x2d = dequantize_weight(x2d)
@@ -319,13 +336,6 @@ class Fp8Linear(nn.Linear):
             shared_cast.store(src, key, q)
         return q
 
-    def _carrier_mismatch(self, x: Fp8WeightTensor):
-        if x._data.dtype != self.fp8_config.fwd_dtype:
-            return f"its FP8 format {x._data.dtype} is not the forward format"
-        if self._delayed:
-            return "delayed scaling keeps its own input amax history"
-        return None
-
     def _prequantized_ok(self, w: torch.Tensor) -> bool:
         """Whether ``w`` is an :class:`Fp8WeightTensor` this layer can feed to its GEMMs as is.
 
@@ -335,14 +345,8 @@ class Fp8Linear(nn.Linear):
         """
         if not isinstance(w, Fp8WeightTensor):
             return False
-        cfg = self.fp8_config
-        why = None
-        if w._data.dtype != cfg.fwd_dtype:
-            why = f"its FP8 format {w._data.dtype} is not the forward format {cfg.fwd_dtype}"
-        elif self._delayed:
-            why = "delayed scaling keeps its own weight amax history"
-        elif tuple(w.shape) != (self.out_features, self.in_features):
-            why = f"shape {tuple(w.shape)} != {(self.out_features, self.in_features)}"
+        why = fp8_operand_mismatch(w, "weight", self.fp8_config.fwd_dtype, bool(self._delayed),
+                                   (self.out_features, self.in_features))
         if why is not None:
             _state.warn_once(("fp8-linear-prequantized", why),
                              f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 weight: "
@@ -356,13 +360,14 @@ class Fp8Linear(nn.Linear):
 
         For producers that already hold this layer's weight cast, e.g. ZeRO's FP8 all-gather
         (which casts the FP32 master with the scale from its global amax): the following
-        forwards skip the weight's amax and cast. The operand is keyed on ``self.weight``'s
-        storage and version and on the optimizer step epoch at the time of this call: any later
-        write to the weight, a new weight tensor or an optimizer step drops it (warned once) and
-        the layer casts the weight itself again. ``None`` drops it now. Under ``torch.compile``
-        the key cannot be read without a graph break, so the operand is used as is until the
-        producer re-sets or drops it or ``load_state_dict`` runs: a producer must re-set it
-        whenever it changes the weight (ZeRO's all-gather does, after every step).
+        forwards skip the weight's amax and cast. The operand (a :class:`PrequantizedWeight`,
+        see :attr:`prequantized_weight`) is keyed on ``self.weight``'s storage and version and
+        on the optimizer step epoch now: any later write to the weight, a new weight tensor or
+        an optimizer step drops it (warned once) and the layer casts the weight itself again.
+        ``None`` drops it now. Under ``torch.compile`` the key cannot be read without a graph
+        break, so the operand is used as is until the producer re-sets or drops it or
+        ``load_state_dict`` runs: a producer must re-set it whenever it changes the weight
+        (ZeRO's all-gather does, after every step).
 
         Args:
             data_fp8: ``[out_features, in_features]`` contiguous tensor in the forward FP8
@@ -376,17 +381,10 @@ class Fp8Linear(nn.Linear):
         if data_fp8 is None:
             self._pre_w = None
             return
-        want = (self.out_features, self.in_features)
-        if self._delayed or data_fp8.dtype != self.fp8_config.fwd_dtype or \
-                tuple(data_fp8.shape) != want or not data_fp8.is_contiguous():
-            raise ValueError(f"set_prequantized_weight needs a tensorwise layer and a contiguous "
-                             f"{self.fp8_config.fwd_dtype} tensor of shape {want}; got "
-                             f"{data_fp8.dtype} {tuple(data_fp8.shape)}, recipe "
-                             f"{self.fp8_config.recipe!r}")
-        w = self.weight
-        key = (w.data_ptr(), w._version, _state.step_epoch())
+        pre = PrequantizedWeight.of(self.weight, data_fp8, inv_scale, self.fp8_config,
+                                    (self.out_features, self.in_features))
         self._w_cache = None  # an older cast of the same weight would only pin memory
-        self._pre_w = (key, data_fp8, inv_scale.float().reshape(()), [None])
+        self._pre_w = pre
 
     def _recast_weight_t(self, weight: torch.Tensor, w_amax: torch.Tensor) -> Fp8Tensor:
         """Backward: W^T cast with the scale of the forward's cast (same amax, same bytes)."""
@@ -417,14 +415,10 @@ class Fp8Linear(nn.Linear):
             # Under torch.compile the key (version counters, the step epoch) cannot be read
             # without a graph break, so a set operand is trusted as is: its producer re-sets it
             # after every optimizer step, and load_state_dict drops it (eager runs check it).
-            why = None if _compiling() or \
-                pre[0] == (w.data_ptr(), w._version, _state.step_epoch()) else \
+            why = None if _compiling() or pre.matches(w) else \
                 "the weight was written or an optimizer step ran since it was set"
             if why is None:
-                if (with_transpose or recompute) and pre[3][0] is None:
-                    pre[3][0] = transpose_fp8(pre[1])  # dgrad's K-major copy, made once
-                return Fp8Tensor(pre[1], pre[2],
-                                 pre[3][0] if with_transpose or recompute else None)
+                return pre.operand(with_transpose or recompute)
             _state.warn_once(("fp8-linear-prequantized-dropped", why),
                              f"fp8boost: Fp8Linear casts its weight itself instead of using the "
                              f"prequantized FP8 weight: {why}")
@@ -476,7 +470,7 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear expected last dim {self.in_features}, got {tuple(x.shape)}")
-        self._resolve_backend(x.device)
+        self.resolve_backend(x.device)
         # Grad mode is off inside the autograd function: whether a backward (and so perhaps a
         # recomputation) follows this forward is read here.
         if not _compiling():
@@ -486,11 +480,11 @@ class Fp8Linear(nn.Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         if _compiling() or not self.fp8_config.share_input_casts or self._delayed \
                 or isinstance(x, Fp8WeightTensor):
-            y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
+            y = Fp8LinearFunction.apply(x2d, self.weight, bias, self)
         else:  # eager tensorwise layers reading the same tensor share its cast (shared_cast)
             self._share_src = x
             try:
-                y = _Fp8LinearFn.apply(x2d, self.weight, bias, self)
+                y = Fp8LinearFunction.apply(x2d, self.weight, bias, self)
             finally:
                 self._share_src = None
         # A 2-D input gets the GEMM output itself, not a view of it: FSDP2 warns about modules

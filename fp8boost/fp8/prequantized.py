@@ -8,15 +8,20 @@ rounding. The carrier lets the bytes go straight into the FP8 GEMM:
 
 * it *looks like* the high-precision weight (``dtype`` bf16/fp32, shape ``[N, K]``), so modules,
   FSDP and autograd treat it as the parameter it stands for;
-* ``Fp8Linear`` recognises it and uses ``_data`` / ``_inv_scale`` as its weight operand (no
+* ``Fp8Linear`` recognises it and uses ``fp8_data`` / ``inv_scale`` as its weight operand (no
   cast, no weight-cast cache);
 * every other op sees the dequantized value (correct, slower, warned once per op), and an
   in-place write raises, since it would be lost.
+
+A producer that already holds a layer's weight cast (ZeRO's FP8 all-gather) hands it over as a
+:class:`PrequantizedWeight` instead (``Fp8Linear.set_prequantized_weight``): the layer's
+parameter stays a plain tensor, and the operand is used while that tensor is unchanged.
 
 This module knows nothing about distribution: who fills the bytes is not its business.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -24,9 +29,12 @@ from torch.utils import _pytree as pytree
 
 from fp8boost import _state
 
+from .config import Fp8Config
+from .recompute import compiling
 from .scaling import FP8_DTYPES, Fp8Tensor, dequantize
 
-__all__ = ["Fp8WeightTensor", "fp8_weight_operand", "fp8_weight_transpose", "dequantize_weight"]
+__all__ = ["Fp8WeightTensor", "PrequantizedWeight", "fp8_weight_operand", "fp8_weight_transpose",
+           "dequantize_weight", "fp8_operand_mismatch"]
 
 aten = torch.ops.aten
 # Pure views/aliases of the bytes: the result is the same weight, still FP8 (FSDP2 applies
@@ -52,8 +60,12 @@ class Fp8WeightTensor(torch.Tensor):
         (torch.Size([32, 16]), torch.bfloat16, 0.5)
     """
 
-    _data: torch.Tensor
-    _inv_scale: torch.Tensor
+    fp8_data: torch.Tensor
+    """The FP8 bytes, the weight's shape (``float8_e4m3fn`` or ``float8_e5m2``)."""
+    inv_scale: torch.Tensor
+    """FP32 0-dim: ``fp8_data.float() * inv_scale`` is the weight."""
+    fp8_data_t: Optional[torch.Tensor]
+    """Optional [K, M] transpose of ``fp8_data`` viewed as [M, K] (K = the last dim)."""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype,
@@ -66,17 +78,17 @@ class Fp8WeightTensor(torch.Tensor):
 
     def __init__(self, data: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype,
                  requires_grad: bool = False, data_t: Optional[torch.Tensor] = None) -> None:
-        self._data = data
-        self._inv_scale = inv_scale
+        self.fp8_data = data
+        self.inv_scale = inv_scale
         # Optional [K, M] transpose of the data viewed as [M, K] (K = the last dim), made once
         # by the producer and shared by every consumer (an activation feeding q, k and v).
-        self._data_t = data_t
+        self.fp8_data_t = data_t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
         return (f"Fp8WeightTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"fp8={self._data.dtype}, inv_scale={self._inv_scale!r})")
+                f"fp8={self.fp8_data.dtype}, inv_scale={self.inv_scale!r})")
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The weight's value as a plain tensor (default: the dtype it presents)."""
@@ -87,14 +99,14 @@ class Fp8WeightTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEW_OPS:
             src = args[0]
-            data = func(src._data, *args[1:], **kwargs)
-            keep_t = src._data_t is not None and func is not aten.as_strided.default \
-                and data.dim() > 0 and data.shape[-1] == src._data.shape[-1]
-            return cls(data, src._inv_scale, src.dtype, data_t=src._data_t if keep_t else None)
+            data = func(src.fp8_data, *args[1:], **kwargs)
+            keep_t = src.fp8_data_t is not None and func is not aten.as_strided.default \
+                and data.dim() > 0 and data.shape[-1] == src.fp8_data.shape[-1]
+            return cls(data, src.inv_scale, src.dtype, data_t=src.fp8_data_t if keep_t else None)
         if func is aten.clone.default:
             src = args[0]
-            data_t = src._data_t.clone() if src._data_t is not None else None
-            return cls(src._data.clone(), src._inv_scale.clone(), src.dtype, data_t=data_t)
+            data_t = src.fp8_data_t.clone() if src.fp8_data_t is not None else None
+            return cls(src.fp8_data.clone(), src.inv_scale.clone(), src.dtype, data_t=data_t)
         _reject_writes(func, args, kwargs)
         # Anything else reads the weight: give it the exact dequantized value, never FP8 bytes
         # reinterpreted, and say once per op that this costs a dequantize.
@@ -106,13 +118,13 @@ class Fp8WeightTensor(torch.Tensor):
         return func(*args, **kwargs)
 
     def __tensor_flatten__(self):
-        inner = ["_data", "_inv_scale"] + (["_data_t"] if self._data_t is not None else [])
+        inner = ["fp8_data", "inv_scale"] + (["fp8_data_t"] if self.fp8_data_t is not None else [])
         return inner, {"dtype": self.dtype}
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: dict, outer_size, outer_stride):
-        return Fp8WeightTensor(inner["_data"], inner["_inv_scale"], meta["dtype"],
-                               data_t=inner.get("_data_t"))
+        return Fp8WeightTensor(inner["fp8_data"], inner["inv_scale"], meta["dtype"],
+                               data_t=inner.get("fp8_data_t"))
 
 
 # Module-level functions, not methods: torch.compile treats a method call on a tensor (subclass)
@@ -121,20 +133,19 @@ class Fp8WeightTensor(torch.Tensor):
 def fp8_weight_operand(w: Fp8WeightTensor, with_transpose: bool = False) -> Fp8Tensor:
     """The GEMM operand: ``data`` [N, K] row-major (and ``data_t`` [K, N] if asked)."""
     data_t = fp8_weight_transpose(w) if with_transpose else None
-    return Fp8Tensor(w._data.contiguous(), w._inv_scale, data_t)
+    return Fp8Tensor(w.fp8_data.contiguous(), w.inv_scale, data_t)
 
 
 def fp8_weight_transpose(w: Fp8WeightTensor) -> torch.Tensor:
     """``data^T`` [K, N], contiguous: the K-major weight operand of dgrad (1 byte/element)."""
-    return w._data.t().contiguous()
+    return w.fp8_data.t().contiguous()
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """``data.t().contiguous()`` for a 2-D FP8 tensor; a tiled Triton kernel on CUDA in eager
     mode (torch's strided byte copy is far below bandwidth), the torch op otherwise (inductor
     tiles it itself under ``torch.compile``)."""
-    compiling = bool(getattr(torch.compiler, "is_compiling", lambda: False)())
-    if data.is_cuda and not compiling and data.is_contiguous():
+    if data.is_cuda and not compiling() and data.is_contiguous():
         try:
             from .kernels.transpose import transpose_bytes
         except ImportError:  # no triton: the plain op is still correct
@@ -145,7 +156,73 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
 
 def dequantize_weight(w: Fp8WeightTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The weight's value as a plain tensor (default: the dtype ``w`` presents)."""
-    return dequantize(w._data, w._inv_scale, dtype or w.dtype)
+    return dequantize(w.fp8_data, w.inv_scale, dtype or w.dtype)
+
+
+def fp8_operand_mismatch(t: Fp8WeightTensor, role: str, fwd_dtype: torch.dtype, delayed: bool,
+                         shape: Optional[tuple] = None) -> Optional[str]:
+    """Why an FP8 carrier cannot be a layer's ``role`` ("input"/"weight") GEMM operand as is.
+
+    Its bytes must be what the layer would have made: the forward FP8 format, current
+    (tensorwise) scaling (delayed scaling derives the scale from the layer's own amax history)
+    and, where given, the operand's ``shape``. None when it can.
+    """
+    if t.fp8_data.dtype != fwd_dtype:
+        return f"its FP8 format {t.fp8_data.dtype} is not the forward format {fwd_dtype}"
+    if delayed:
+        return f"delayed scaling keeps its own {role} amax history"
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        return f"shape {tuple(t.shape)} != {tuple(shape)}"
+    return None
+
+
+@dataclass
+class PrequantizedWeight:
+    """A layer's FP8 weight operand made by its producer (``Fp8Linear.set_prequantized_weight``).
+
+    Valid while the layer's weight is the tensor it was made from: same storage, same version
+    counter and no optimizer step since (``key``); :meth:`matches` checks that.
+    """
+
+    key: tuple
+    """``(data_ptr, version, optimizer-step epoch)`` of the weight when the operand was set."""
+    data: torch.Tensor
+    """``[out_features, in_features]``, contiguous, forward FP8 format; not a copy."""
+    inv_scale: torch.Tensor
+    """FP32 0-dim tensor: ``data.float() * inv_scale`` is the weight."""
+    data_t: Optional[torch.Tensor] = None
+    """dgrad's K-major copy, ``data.t().contiguous()``, made on first need and kept."""
+
+    @staticmethod
+    def weight_key(weight: torch.Tensor) -> tuple:
+        """What identifies ``weight``'s current value (an optimizer step changes the epoch)."""
+        return (weight.data_ptr(), weight._version, _state.step_epoch())
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, data: torch.Tensor, inv_scale: torch.Tensor,
+           config: Fp8Config, shape: tuple) -> "PrequantizedWeight":
+        """The operand ``data`` / ``inv_scale`` for ``weight`` as it is now.
+
+        Raises:
+            ValueError: ``config`` (the layer's ``Fp8Config``) is not tensorwise, or ``data`` is
+                not a contiguous tensor of the forward FP8 format and the operand's ``shape``.
+        """
+        if config.recipe == "delayed" or data.dtype != config.fwd_dtype or \
+                tuple(data.shape) != tuple(shape) or not data.is_contiguous():
+            raise ValueError(f"set_prequantized_weight needs a tensorwise layer and a contiguous "
+                             f"{config.fwd_dtype} tensor of shape {tuple(shape)}; got "
+                             f"{data.dtype} {tuple(data.shape)}, recipe {config.recipe!r}")
+        return cls(cls.weight_key(weight), data, inv_scale.float().reshape(()))
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is still the tensor (and value) this operand was made from."""
+        return self.key == self.weight_key(weight)
+
+    def operand(self, with_transpose: bool) -> Fp8Tensor:
+        """The GEMM operand, with dgrad's transposed copy when ``with_transpose``."""
+        if with_transpose and self.data_t is None:
+            self.data_t = transpose_fp8(self.data)  # made once, reused by later backwards
+        return Fp8Tensor(self.data, self.inv_scale, self.data_t if with_transpose else None)
 
 
 def _reject_writes(func: Any, args: tuple, kwargs: dict) -> None:

@@ -104,7 +104,7 @@ class CountingBackend(EmulatedBackend):
 def test_weight_cast_is_cached_until_the_weight_changes():
     layer = make()
     backend = CountingBackend()
-    layer._resolve_backend(torch.device("cpu"))
+    layer.resolve_backend(torch.device("cpu"))
     layer._fp8_backend = backend
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(8, 96)
@@ -117,7 +117,7 @@ def test_weight_cast_is_cached_until_the_weight_changes():
     layer(x).sum().backward()
     assert backend.shapes.count((48, 96)) == 3 and layer._w_cache[1] is None
     uncached = make(cfg=EMU.replace(cache_weight_cast=False))
-    uncached._resolve_backend(torch.device("cpu"))
+    uncached.resolve_backend(torch.device("cpu"))
     uncached._fp8_backend = b2 = CountingBackend()
     for _ in range(2):
         uncached(x).sum().backward()

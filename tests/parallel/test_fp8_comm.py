@@ -400,8 +400,9 @@ def test_fallback_logging_names_the_reason(caplog):
     from fp8boost import _state
     _state.forget_logged(("fp8_comm", "unit", "small"))
     with caplog.at_level(logging.WARNING, logger="fp8boost.parallel.fp8_comm"):
-        plan = fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_payload_numel=10))
-        fc._plan("unit", (torch.zeros(3),), 3, 2, Fp8CommConfig(min_payload_numel=10))
+        cfg = Fp8CommConfig(min_payload_numel=10)
+        plan = fc.plan_collective("unit", (torch.zeros(3),), 3, 2, cfg)
+        fc.plan_collective("unit", (torch.zeros(3),), 3, 2, cfg)
     assert plan == "plain"
     msgs = [r.getMessage() for r in caplog.records if "unit" in r.getMessage()]
     assert len(msgs) == 1 and "min_payload_numel" in msgs[0]

@@ -110,8 +110,8 @@ def _check_direct(rank: int, ws: int) -> None:
     seen: dict = {}
     for i in LIN:
         model[i].register_forward_pre_hook(
-            lambda m, a, i=i: seen.__setitem__(i, (m.weight, m.weight._data.clone(),
-                                                   m.weight._inv_scale.clone())))
+            lambda m, a, i=i: seen.__setitem__(i, (m.weight, m.weight.fp8_data.clone(),
+                                                   m.weight.inv_scale.clone())))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     first = {}
@@ -292,8 +292,8 @@ def test_carrier_reads_fall_back_to_the_dequantized_value_and_writes_raise():
         doubled = w * 2
     assert type(doubled) is torch.Tensor and torch.equal(doubled, 2 * w.dequantize())
     d = w.detach()  # views keep the FP8 payload (same storage, same scale)
-    assert type(d) is type(w) and d._data.data_ptr() == w._data.data_ptr()
-    assert d._inv_scale is w._inv_scale
+    assert type(d) is type(w) and d.fp8_data.data_ptr() == w.fp8_data.data_ptr()
+    assert d.inv_scale is w.inv_scale
     with pytest.raises(RuntimeError, match="write into an Fp8WeightTensor"):
         with torch.no_grad():
             w.add_(1.0)

@@ -92,7 +92,8 @@ def _check_bytes(model, opt) -> None:
         layer = model[idx]
         i = next(k for k, p in enumerate(opt.params) if p is layer.weight)
         q, scale = _expected(full[i], layer.fp8_config)
-        _, data, inv, _ = layer._pre_w
+        pre = layer.prequantized_weight
+        data, inv = pre.data, pre.inv_scale
         assert data.dtype == E4M3 and data.shape == layer.weight.shape
         assert torch.equal(data.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(inv, scale.reciprocal())
@@ -103,7 +104,8 @@ def _check_bytes(model, opt) -> None:
 def _check_forward(model) -> None:
     """(b): forward and dgrad equal a manual GEMM with the full cast; no weight amax/cast."""
     layer = model[0]
-    _, data, inv, _ = layer._pre_w
+    pre = layer.prequantized_weight
+    data, inv = pre.data, pre.inv_scale
     be, cfg = layer._fp8_backend, layer.fp8_config
     x = torch.randn(6, 32).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(6, 64).to(torch.bfloat16)

@@ -79,8 +79,8 @@ def _fp8_scales_match_one_process(rank: int, world: int) -> None:
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         mine, ref = model.get_submodule(name), full.get_submodule(name)
         assert isinstance(mine, Fp8Linear) and isinstance(ref, Fp8Linear)
-        mine._resolve_backend(torch.device("cpu"))
-        ref._resolve_backend(torch.device("cpu"))
+        mine.resolve_backend(torch.device("cpu"))
+        ref.resolve_backend(torch.device("cpu"))
         wq, rq = mine._weight_fp8(False), ref._weight_fp8(False)
         dim = 0 if name.endswith("q_proj") else 1
         want = rq.data.view(torch.uint8).chunk(4, dim=dim)[r]
@@ -89,8 +89,8 @@ def _fp8_scales_match_one_process(rank: int, world: int) -> None:
     # The row-parallel input is split along K: its scale must come from the whole activation.
     down, ref_down = model.get_submodule("model.layers.0.mlp.down_proj"), \
         full.get_submodule("model.layers.0.mlp.down_proj")
-    down._resolve_backend(torch.device("cpu"))
-    ref_down._resolve_backend(torch.device("cpu"))
+    down.resolve_backend(torch.device("cpu"))
+    ref_down.resolve_backend(torch.device("cpu"))
     torch.manual_seed(0)
     x = torch.randn(8, 128).to(torch.bfloat16) * torch.linspace(0.1, 3, 128).to(torch.bfloat16)
     xq = down._quantize("input", x.chunk(4, dim=1)[r].contiguous(), cfg.fwd_dtype, False)

@@ -12,12 +12,9 @@ from typing import Optional
 import torch
 
 from ..backend_base import Fp8Backend
+from ..recompute import compiling as _compiling
 from ..scaling import Fp8Tensor
 from . import cast, gemm, ops
-
-
-def _compiling() -> bool:
-    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
 
 
 class TritonBackend(Fp8Backend):

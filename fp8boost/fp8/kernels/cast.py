@@ -41,8 +41,9 @@ _FP8_MAX = MappingProxyType({torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 5734
 
 
 @triton.jit
-def _abs_bits(x):
+def abs_bits(x):
     # |x| as an int32 bit pattern; see the module docstring for why an int max is the amax.
+    # Public: the FP8 wire kernels (parallel/comm/wire_triton.py) take amaxes the same way.
     return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
@@ -70,13 +71,14 @@ def _amax_kernel(x_ptr, part_ptr, R, C, stride_r, stride_c, n_tiles_c, n_tiles,
         offs_r, offs_c, mask = _tile_offsets(tile, n_tiles_c, R, C, BLOCK_R, BLOCK_C, IDX64)
         x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
                     other=0.0)
-        acc = tl.maximum(acc, _abs_bits(x))
+        acc = tl.maximum(acc, abs_bits(x))
     tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @triton.jit
-def _scale_from_amax(a, target, POW2: tl.constexpr):
-    # Mirrors fp8boost.fp8.scaling.scale_from_amax operation by operation (a >= 0 or NaN).
+def tl_scale_from_amax(a, target, POW2: tl.constexpr):
+    # Mirrors fp8boost.fp8.scaling.scale_from_amax operation by operation (a >= 0 or NaN), in
+    # Triton; public, as the FP8 wire kernels (parallel/comm/wire_triton.py) use it too.
     pos = a > 0
     s = tl.math.div_rn(1.0, tl.where(pos, a, 1.0)) * target
     s = tl.where(pos, s, 1.0)
@@ -131,7 +133,7 @@ def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_in_ptr, part_ptr, n_part, amax_ptr,
         offs_p = tl.arange(0, PART_BLOCK)
         parts = tl.load(part_ptr + offs_p, mask=offs_p < n_part, other=0)
         a = tl.max(parts, axis=0).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(a, target, POW2)
+        scale = tl_scale_from_amax(a, target, POW2)
         tl.store(amax_ptr, a, mask=pid == 0)
     else:
         scale = tl.load(scale_in_ptr).to(tl.float32)
@@ -146,7 +148,7 @@ def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_in_ptr, part_ptr, n_part, amax_ptr,
         x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
                     other=0.0).to(tl.float32)
         if not CURRENT:  # delayed scaling: the amax rides along with the cast
-            amax_acc = tl.maximum(amax_acc, _abs_bits(x))
+            amax_acc = tl.maximum(amax_acc, abs_bits(x))
         q = _to_fp8(x, scale, fp8_max_val, OUT_DTYPE, EMULATE_RNE, MANT_BITS, MIN_EXP)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
         if WITH_T:

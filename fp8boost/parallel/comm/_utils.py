@@ -63,7 +63,7 @@ def _log_once(op: str, reason: str, message: str, level: int = logging.WARNING) 
     _state.log_once(logger, ("fp8_comm", op, reason), f"fp8boost {op}: {message}", level)
 
 
-def _config(config: Optional[Fp8CommConfig]) -> Fp8CommConfig:
+def resolve_config(config: Optional[Fp8CommConfig]) -> Fp8CommConfig:
     if config is None:
         # One shared default object (built on first use), as every call site passing None
         # would otherwise build and validate its own.
@@ -73,7 +73,7 @@ def _config(config: Optional[Fp8CommConfig]) -> Fp8CommConfig:
     return config
 
 
-def _fp8_dtype(value: Optional[torch.dtype], default: torch.dtype) -> torch.dtype:
+def resolve_fp8_dtype(value: Optional[torch.dtype], default: torch.dtype) -> torch.dtype:
     if value is None:
         return default
     if value not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -82,7 +82,7 @@ def _fp8_dtype(value: Optional[torch.dtype], default: torch.dtype) -> torch.dtyp
     return value
 
 
-def _check_tensor(t: Any, name: str) -> None:
+def check_tensor(t: Any, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
@@ -92,7 +92,7 @@ def _check_tensor(t: Any, name: str) -> None:
                         f"{name}.view(torch.uint8)")
 
 
-def _group_info(group) -> tuple[int, int]:
+def group_info(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("torch.distributed is not initialized: call "
                          "torch.distributed.init_process_group(...) before FP8 collectives")
@@ -102,8 +102,8 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), rank
 
 
-def _plan(op: str, tensors: Sequence[torch.Tensor], payload: Optional[int], ws: Optional[int],
-          cfg: Fp8CommConfig) -> str:
+def plan_collective(op: str, tensors: Sequence[torch.Tensor], payload: Optional[int],
+                    ws: Optional[int], cfg: Fp8CommConfig) -> str:
     """``local`` (world size 1), ``plain`` (high-precision collective) or ``fp8``."""
     if ws == 1:
         _log_once(op, "ws1", "world size 1: no communication, exact local result")
@@ -126,7 +126,7 @@ def _plan(op: str, tensors: Sequence[torch.Tensor], payload: Optional[int], ws: 
     return "fp8"
 
 
-def _cast_impl(cfg: Fp8CommConfig, device: torch.device) -> str:
+def resolve_cast_impl(cfg: Fp8CommConfig, device: torch.device) -> str:
     """Resolve ``cfg.cast_impl`` for a device (read at call time, never at import).
 
     ``auto`` picks Triton on sm89+ GPUs only after a one-time self-test on that device (compile,
@@ -194,7 +194,7 @@ def triton_selftest(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def _post_scale(op: ReduceOpLike, ws: int) -> float:
+def post_scale(op: ReduceOpLike, ws: int) -> float:
     """Factor applied to the sum: 1 (sum), 1/ws (avg) or a PREMUL_SUM factor (FSDP2)."""
     if isinstance(op, str):
         if op in ("sum", "avg"):
@@ -218,15 +218,15 @@ def _check_same_device(a: torch.Tensor, b: torch.Tensor) -> None:
                          f"{b.device}")
 
 
-def _check_pair(output: torch.Tensor, input: torch.Tensor, group) -> tuple[int, int]:
+def check_pair(output: torch.Tensor, input: torch.Tensor, group) -> tuple[int, int]:
     """Validate an (output, input) collective pair; return the group's (world size, rank)."""
-    _check_tensor(output, "output")
-    _check_tensor(input, "input")
+    check_tensor(output, "output")
+    check_tensor(input, "input")
     _check_same_device(input, output)
-    return _group_info(group)
+    return group_info(group)
 
 
-def _staging(output: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype] = None):
+def staging(output: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype] = None):
     """A contiguous ``shape`` view to write into, and a commit() copying it into ``output``."""
     dtype = dtype or output.dtype
     if output.is_contiguous() and output.dtype == dtype:
@@ -235,11 +235,11 @@ def _staging(output: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype] = 
     return tmp, (lambda: output.copy_(tmp.view(output.shape)))
 
 
-def _complete(works, finish: Callable[[], None], async_op: bool, result=None, keep=()):
+def complete(works, finish: Callable[[], None], async_op: bool, result=None, keep=()):
     """Return an :class:`Fp8Work` (async) or run ``finish`` now (sync).
 
     ``finish`` must wait for ``works`` itself (stage by stage where pipelined; wrap it with
-    :func:`_waiting` otherwise); ``works`` serve ``is_completed()`` and ``wait(timeout)``.
+    :func:`waiting` otherwise); ``works`` serve ``is_completed()`` and ``wait(timeout)``.
     """
     works = [w for w in (works if isinstance(works, (list, tuple)) else [works])
              if w is not None and hasattr(w, "wait")]
@@ -249,7 +249,7 @@ def _complete(works, finish: Callable[[], None], async_op: bool, result=None, ke
     return None
 
 
-def _waiting(works, finish: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+def waiting(works, finish: Optional[Callable[[], None]] = None) -> Callable[[], None]:
     """A finish() that first waits for ``works`` (for single-stage collectives)."""
     def run() -> None:
         for w in works if isinstance(works, (list, tuple)) else [works]:
@@ -260,12 +260,19 @@ def _waiting(works, finish: Optional[Callable[[], None]] = None) -> Callable[[],
     return run
 
 
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """The plain all-gather into one tensor, under its name in this torch version."""
     # torch >= 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """The plain (SUM) reduce-scatter of one tensor, under its name in this torch version."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+# Former names, for code outside this package's comm/, fsdp/, pipeline/ and tp/ that has not
+# switched yet (parallel/zero/direct_plan.py imports _cast_impl); remove once it has.
+_cast_impl = resolve_cast_impl

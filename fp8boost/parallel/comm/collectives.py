@@ -44,14 +44,17 @@ import torch.distributed as dist
 
 from fp8boost.fp8.scaling import scale_from_amax
 
-# _reduce_scatter_single and _all_gather_single are re-exported for bench/comm.py.
-from ._utils import (Fp8Work, ReduceOpLike, _all_gather_single,  # noqa: F401
-                          _cast_impl, _check_pair, _check_tensor, _complete, _config,
-                          _fp8_dtype, _group_info, _plan, _post_scale, _reduce_scatter_single,
-                          _staging, _waiting)
+# reduce_scatter_single and all_gather_single are re-exported for bench/comm.py (which still
+# reads them under their former names, _all_gather_single / _reduce_scatter_single: below).
+from ._utils import (Fp8Work, ReduceOpLike, all_gather_single,  # noqa: F401
+                     check_pair, check_tensor, complete, group_info, plan_collective, post_scale,
+                     reduce_scatter_single, resolve_cast_impl, resolve_config, resolve_fp8_dtype,
+                     staging, waiting)
 from .config import MAX_PIPELINE_STAGES, Fp8CommConfig
 from .wire import (dequantize_rows, dequantize_sum_rows, num_stages, quantize_rows,
                        row_amax, segment_bytes, stage_bounds, stage_scales)
+
+_all_gather_single, _reduce_scatter_single = all_gather_single, reduce_scatter_single  # bench
 
 __all__ = ["Fp8Work", "all_gather_fp8", "all_gather_into_tensor_fp8", "reduce_scatter_fp8",
            "reduce_scatter_tensor_fp8", "all_reduce_fp8", "all_to_all_fp8", "send_fp8",
@@ -131,24 +134,24 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
         >>> out = torch.empty(world * 1024, dtype=torch.bfloat16)         # doctest: +SKIP
         >>> all_gather_into_tensor_fp8(out, torch.randn(1024).bfloat16())  # doctest: +SKIP
     """
-    cfg = _config(config)
-    dt = _fp8_dtype(fp8_dtype, cfg.param_dtype)
-    ws, _ = _check_pair(output, input, group)
+    cfg = resolve_config(config)
+    dt = resolve_fp8_dtype(fp8_dtype, cfg.param_dtype)
+    ws, _ = check_pair(output, input, group)
     n = input.numel()
     if output.numel() != ws * n:
         raise ValueError(f"output must hold world_size * input.numel() = {ws} * {n} elements, "
                          f"got {output.numel()}")
-    plan = _plan("all_gather", (input, output), ws * n, ws, cfg)
+    plan = plan_collective("all_gather", (input, output), ws * n, ws, cfg)
     if plan == "local":
         output.copy_(input.reshape(output.shape))
-        return _complete(None, lambda: None, async_op, output)
+        return complete(None, lambda: None, async_op, output)
     if n == 0:  # every rank has the same (empty) shape: nothing to send anywhere
-        return _complete(None, lambda: None, async_op, output)
+        return complete(None, lambda: None, async_op, output)
     if plan == "plain":
-        dst, commit = _staging(output, (ws * n,), input.dtype)
-        work = _all_gather_single(dst, input.contiguous().view(-1), group, async_op)
-        return _complete(work, _waiting(work, commit), async_op, output)
-    impl = _cast_impl(cfg, input.device)
+        dst, commit = staging(output, (ws * n,), input.dtype)
+        work = all_gather_single(dst, input.contiguous().view(-1), group, async_op)
+        return complete(work, waiting(work, commit), async_op, output)
+    impl = resolve_cast_impl(cfg, input.device)
     x = input.contiguous().view(1, n)
     bounds = _stages(ws * n, n, cfg)
     if cfg.all_gather_scale == "shared":
@@ -163,8 +166,8 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
     for k, (lo, hi) in enumerate(bounds):  # cast stage k+1 while stage k is on the wire
         quantize_rows(x[:, lo:hi], sends[k], dt, power_of_2=cfg.power_of_2_wire_scale, impl=impl,
                       scale=None if scales is None else scales[:, k])
-        works.append(_all_gather_single(recvs[k].view(-1), sends[k].view(-1), group, True))
-    out2d, commit = _staging(output, (ws, n))
+        works.append(all_gather_single(recvs[k].view(-1), sends[k].view(-1), group, True))
+    out2d, commit = staging(output, (ws, n))
 
     def finish() -> None:
         for k, (lo, hi) in enumerate(bounds):  # decode stage k while k+1 is on the wire
@@ -173,7 +176,7 @@ def all_gather_into_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=
                             power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         commit()
 
-    return _complete(works, finish, async_op, output, keep=(sends, recvs, x))
+    return complete(works, finish, async_op, output, keep=(sends, recvs, x))
 
 
 def all_gather_fp8(tensor: torch.Tensor, group=None, *, fp8_dtype: Optional[torch.dtype] = None,
@@ -191,11 +194,11 @@ def all_gather_fp8(tensor: torch.Tensor, group=None, *, fp8_dtype: Optional[torc
         >>> full.shape                                                     # doctest: +SKIP
         torch.Size([8192, 1024])   # on 2 ranks
     """
-    _check_tensor(tensor, "tensor")
+    check_tensor(tensor, "tensor")
     if tensor.dim() == 0:
         raise ValueError("all_gather_fp8 concatenates along dim 0: pass at least a 1-D tensor "
                          "(e.g. t.view(1))")
-    ws, _ = _group_info(group)
+    ws, _ = group_info(group)
     output = torch.empty((ws * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                          device=tensor.device)
     work = all_gather_into_tensor_fp8(output, tensor, group, fp8_dtype=fp8_dtype,
@@ -230,37 +233,37 @@ def reduce_scatter_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=N
         >>> out = torch.empty(1024)                                            # doctest: +SKIP
         >>> reduce_scatter_tensor_fp8(out, torch.randn(world * 1024), op="avg")  # doctest: +SKIP
     """
-    cfg = _config(config)
-    dt = _fp8_dtype(fp8_dtype, cfg.grad_dtype)
-    ws, rank = _check_pair(output, input, group)
-    post = _post_scale(op, ws)
+    cfg = resolve_config(config)
+    dt = resolve_fp8_dtype(fp8_dtype, cfg.grad_dtype)
+    ws, rank = check_pair(output, input, group)
+    post = post_scale(op, ws)
     m = output.numel()
     if input.numel() != ws * m:
         raise ValueError(f"input must hold world_size * output.numel() = {ws} * {m} elements, "
                          f"got {input.numel()}")
-    plan = _plan("reduce_scatter", (input, output), input.numel(), ws, cfg)
+    plan = plan_collective("reduce_scatter", (input, output), input.numel(), ws, cfg)
     if plan == "local":
         output.copy_(input.reshape(output.shape))
         if post != 1.0:
             output.mul_(post)
-        return _complete(None, lambda: None, async_op, output)
+        return complete(None, lambda: None, async_op, output)
     if m == 0:
-        return _complete(None, lambda: None, async_op, output)
+        return complete(None, lambda: None, async_op, output)
     if plan == "plain":
-        dst, commit = _staging(output, (m,), input.dtype)
-        work = _reduce_scatter_single(dst, input.contiguous().view(-1), group, async_op)
+        dst, commit = staging(output, (m,), input.dtype)
+        work = reduce_scatter_single(dst, input.contiguous().view(-1), group, async_op)
 
         def finish_plain() -> None:
             if post != 1.0:
                 dst.mul_(post)
             commit()
 
-        return _complete(work, _waiting(work, finish_plain), async_op, output)
-    impl = _cast_impl(cfg, input.device)
+        return complete(work, waiting(work, finish_plain), async_op, output)
+    impl = resolve_cast_impl(cfg, input.device)
     x2d = input.contiguous().view(ws, m)
     bounds = _stages(ws * m, m, cfg)
     works, sends, recvs = _reduce_scatter_issue(x2d, rank, ws, dt, cfg, impl, group, bounds)
-    out_flat, commit = _staging(output, (m,))
+    out_flat, commit = staging(output, (m,))
 
     def finish() -> None:
         for k, (lo, hi) in enumerate(bounds):
@@ -269,7 +272,7 @@ def reduce_scatter_tensor_fp8(output: torch.Tensor, input: torch.Tensor, group=N
                                 post_scale=post, impl=impl)
         commit()
 
-    return _complete(works, finish, async_op, output, keep=(sends, recvs, x2d))
+    return complete(works, finish, async_op, output, keep=(sends, recvs, x2d))
 
 
 def reduce_scatter_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "sum",
@@ -286,8 +289,8 @@ def reduce_scatter_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "
         >>> reduce_scatter_fp8(g, op="avg").shape                          # doctest: +SKIP
         torch.Size([4096, 1024])   # on 2 ranks
     """
-    _check_tensor(tensor, "tensor")
-    ws, _ = _group_info(group)
+    check_tensor(tensor, "tensor")
+    ws, _ = group_info(group)
     if tensor.dim() == 0 or tensor.shape[0] % ws:
         raise ValueError(f"reduce_scatter_fp8 splits dim 0 into {ws} equal chunks: dim 0 of "
                          f"shape {tuple(tensor.shape)} is not divisible by the world size; pad "
@@ -316,19 +319,19 @@ def all_reduce_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "sum"
         >>> grad = torch.randn(1 << 20, device="cuda")                     # doctest: +SKIP
         >>> all_reduce_fp8(grad, op="avg")                                 # doctest: +SKIP
     """
-    cfg = _config(config)
-    dt = _fp8_dtype(fp8_dtype, cfg.grad_dtype)
-    _check_tensor(tensor, "tensor")
-    ws, rank = _group_info(group)
-    post = _post_scale(op, ws)
+    cfg = resolve_config(config)
+    dt = resolve_fp8_dtype(fp8_dtype, cfg.grad_dtype)
+    check_tensor(tensor, "tensor")
+    ws, rank = group_info(group)
+    post = post_scale(op, ws)
     n = tensor.numel()
-    plan = _plan("all_reduce", (tensor,), n, ws, cfg)
+    plan = plan_collective("all_reduce", (tensor,), n, ws, cfg)
     if plan == "local":
         if post != 1.0:
             tensor.mul_(post)
-        return _complete(None, lambda: None, async_op, tensor)
+        return complete(None, lambda: None, async_op, tensor)
     if n == 0:
-        return _complete(None, lambda: None, async_op, tensor)
+        return complete(None, lambda: None, async_op, tensor)
     if plan == "plain":
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -339,8 +342,8 @@ def all_reduce_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "sum"
             if buf is not tensor:
                 tensor.copy_(buf)
 
-        return _complete(work, _waiting(work, finish_plain), async_op, tensor)
-    impl = _cast_impl(cfg, tensor.device)
+        return complete(work, waiting(work, finish_plain), async_op, tensor)
+    impl = resolve_cast_impl(cfg, tensor.device)
     m = -(-n // ws)
     in_place = tensor.is_contiguous() and m * ws == n
     if in_place:
@@ -361,7 +364,7 @@ def all_reduce_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "sum"
                                 post_scale=post, impl=impl)
             quantize_rows(chunk[:, lo:hi], sends2[k], dt, power_of_2=cfg.power_of_2_wire_scale,
                           impl=impl)
-            works2.append(_all_gather_single(recvs2[k].view(-1), sends2[k].view(-1), group,
+            works2.append(all_gather_single(recvs2[k].view(-1), sends2[k].view(-1), group,
                                              True))
         for k, (lo, hi) in enumerate(bounds):
             works2[k].wait()
@@ -370,7 +373,7 @@ def all_reduce_fp8(tensor: torch.Tensor, group=None, *, op: ReduceOpLike = "sum"
         if not in_place:
             tensor.copy_(x.view(-1)[:n].view(tensor.shape))
 
-    return _complete(works, finish, async_op, tensor, keep=(sends, recvs, x))
+    return complete(works, finish, async_op, tensor, keep=(sends, recvs, x))
 
 
 # ----------------------------------------------------------------------------- all-to-all
@@ -405,9 +408,9 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
         >>> out = torch.empty(6, 64)                                      # doctest: +SKIP
         >>> all_to_all_fp8(out, torch.randn(4, 64), [3, 3], [1, 3])      # doctest: +SKIP
     """
-    cfg = _config(config)
-    dt = _fp8_dtype(fp8_dtype, cfg.param_dtype)
-    ws, rank = _check_pair(output, input, group)
+    cfg = resolve_config(config)
+    dt = resolve_fp8_dtype(fp8_dtype, cfg.param_dtype)
+    ws, rank = check_pair(output, input, group)
     if input.dim() == 0 or output.dim() == 0:
         raise ValueError("all_to_all_fp8 splits dim 0: pass tensors with at least one dim")
     row = math.prod(input.shape[1:])
@@ -419,16 +422,16 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
     if ins[rank] != outs[rank]:
         raise ValueError(f"this rank keeps {ins[rank]} rows of its input but expects "
                          f"{outs[rank]} from itself: input/output split sizes disagree")
-    plan = _plan("all_to_all", (input, output), None, ws, cfg)
+    plan = plan_collective("all_to_all", (input, output), None, ws, cfg)
     if plan == "local":
         output.copy_(input.reshape(output.shape))
-        return _complete(None, lambda: None, async_op, output)
+        return complete(None, lambda: None, async_op, output)
     if plan == "plain":
-        dst, commit = _staging(output, tuple(output.shape), input.dtype)
+        dst, commit = staging(output, tuple(output.shape), input.dtype)
         work = dist.all_to_all_single(dst, input.contiguous(), outs, ins, group=group,
                                       async_op=async_op)
-        return _complete(work, _waiting(work, commit), async_op, output)
-    impl = _cast_impl(cfg, input.device)
+        return complete(work, waiting(work, commit), async_op, output)
+    impl = resolve_cast_impl(cfg, input.device)
     x = input.contiguous().view(input.shape[0], row)
     in_off = [sum(ins[:j]) for j in range(ws)]
     out_off = [sum(outs[:j]) for j in range(ws)]
@@ -444,7 +447,7 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
                           power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         pos += send_b[j]
     work = dist.all_to_all_single(recv, send, recv_b, send_b, group=group, async_op=async_op)
-    out2d, commit = _staging(output, (output.shape[0], row))
+    out2d, commit = staging(output, (output.shape[0], row))
 
     def finish() -> None:
         pos = 0
@@ -459,7 +462,7 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
             pos += recv_b[j]
         commit()
 
-    return _complete(work, _waiting(work, finish), async_op, output, keep=(send, recv, x))
+    return complete(work, waiting(work, finish), async_op, output, keep=(send, recv, x))
 
 
 # ----------------------------------------------------------------------------- send / recv
@@ -467,47 +470,47 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
 
 def _p2p_plan(op: str, tensor: torch.Tensor, cfg: Fp8CommConfig) -> str:
     # Both ends see the same numel and config, so this choice agrees on the two ranks.
-    return _plan(op, (tensor,), tensor.numel(), None, cfg)
+    return plan_collective(op, (tensor,), tensor.numel(), None, cfg)
 
 
 def _send(tensor, dst, group, fp8_dtype, config, async_op: bool):
-    cfg = _config(config)
-    dt = _fp8_dtype(fp8_dtype, cfg.param_dtype)
-    _check_tensor(tensor, "tensor")
-    _group_info(group)
+    cfg = resolve_config(config)
+    dt = resolve_fp8_dtype(fp8_dtype, cfg.param_dtype)
+    check_tensor(tensor, "tensor")
+    group_info(group)
     send_fn = dist.isend if async_op else dist.send
     if _p2p_plan("send", tensor, cfg) == "plain":
         buf = tensor.contiguous()
         work = send_fn(buf, dst, group=group)
-        return _complete(work, _waiting(work), async_op, tensor, keep=(buf,))
+        return complete(work, waiting(work), async_op, tensor, keep=(buf,))
     n = tensor.numel()
     packed = torch.empty((1, segment_bytes(n)), dtype=torch.uint8, device=tensor.device)
     quantize_rows(tensor.contiguous().view(1, n), packed, dt, power_of_2=cfg.power_of_2_wire_scale,
-                  impl=_cast_impl(cfg, tensor.device))
+                  impl=resolve_cast_impl(cfg, tensor.device))
     work = send_fn(packed.view(-1), dst, group=group)
-    return _complete(work, _waiting(work), async_op, tensor, keep=(packed,))
+    return complete(work, waiting(work), async_op, tensor, keep=(packed,))
 
 
 def _recv(tensor, src, group, fp8_dtype, config, async_op: bool):
-    cfg = _config(config)
-    dt = _fp8_dtype(fp8_dtype, cfg.param_dtype)
-    _check_tensor(tensor, "tensor")
-    _group_info(group)
+    cfg = resolve_config(config)
+    dt = resolve_fp8_dtype(fp8_dtype, cfg.param_dtype)
+    check_tensor(tensor, "tensor")
+    group_info(group)
     n = tensor.numel()
     if _p2p_plan("recv", tensor, cfg) == "plain":
-        buf, commit = _staging(tensor, tuple(tensor.shape))
+        buf, commit = staging(tensor, tuple(tensor.shape))
         work = (dist.irecv if async_op else dist.recv)(buf, src, group=group)
-        return _complete(work, _waiting(work, commit), async_op, tensor, keep=(buf,))
-    impl = _cast_impl(cfg, tensor.device)
+        return complete(work, waiting(work, commit), async_op, tensor, keep=(buf,))
+    impl = resolve_cast_impl(cfg, tensor.device)
     packed = torch.empty((1, segment_bytes(n)), dtype=torch.uint8, device=tensor.device)
     work = (dist.irecv if async_op else dist.recv)(packed.view(-1), src, group=group)
-    out2d, commit = _staging(tensor, (1, n))
+    out2d, commit = staging(tensor, (1, n))
 
     def finish() -> None:
         dequantize_rows(packed, n, dt, out2d, power_of_2=cfg.power_of_2_wire_scale, impl=impl)
         commit()
 
-    return _complete(work, _waiting(work, finish), async_op, tensor, keep=(packed,))
+    return complete(work, waiting(work, finish), async_op, tensor, keep=(packed,))
 
 
 def send_fp8(tensor: torch.Tensor, dst: int, group=None, *,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8boost.fp8.kernels.cast import _abs_bits, _scale_from_amax
+from fp8boost.fp8.kernels.cast import abs_bits, tl_scale_from_amax
 from fp8boost.fp8.scaling import fp8_max
 
 BLOCK = 4096
@@ -62,7 +62,7 @@ def _row_amax_kernel(x_ptr, x_row_stride, part_ptr, n_cols, n_blocks, P,
     for b in range(p, n_blocks, P):
         offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * x_row_stride + offs, mask=offs < n_cols, other=0.0)
-        acc = tl.maximum(acc, _abs_bits(x))
+        acc = tl.maximum(acc, abs_bits(x))
     tl.store(part_ptr + row * P + p, tl.max(acc, axis=0))
 
 
@@ -77,7 +77,7 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, part_ptr, P, out_ptr, out_row_str
     row = tl.program_id(1).to(tl.int64)
     pidx = tl.arange(0, PBLOCK)
     bits = tl.max(tl.load(part_ptr + row * P + pidx, mask=pidx < P, other=0), axis=0)
-    scale = _scale_from_amax(bits.to(tl.float32, bitcast=True), FP8_MAX, POW2)  # margin 0
+    scale = tl_scale_from_amax(bits.to(tl.float32, bitcast=True), FP8_MAX, POW2)  # margin 0
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)

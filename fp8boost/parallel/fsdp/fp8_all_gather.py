@@ -63,7 +63,7 @@ from fp8boost import _state
 from fp8boost.fp8.scaling import amax
 
 from ..comm.config import Fp8CommConfig
-from ..comm._utils import _cast_impl
+from ..comm._utils import resolve_cast_impl
 from ..comm.collectives import reduce_scatter_tensor_fp8
 from ..comm.wire import cast_rows_into, decode_rows_into
 from .gather_plan import GatherPlan, choose_plan, log_plan, post_all_gather_direct
@@ -116,6 +116,11 @@ class Fp8AllGatherWeight(torch.Tensor):
         self._plan: Optional[GatherPlan] = None  # fixed at the first all-gather
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def inner_tensor(self) -> torch.Tensor:
+        """The high-precision tensor this wraps: it owns the rank's data (e.g. to save it)."""
+        return self._tensor
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -174,7 +179,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         if n:
             cast_rows_into(local.contiguous().view(1, n), scale.reshape(1),
                            data.view(-1)[:n].view(1, n), plan.fp8_dtype,
-                           power_of_2=plan.power_of_2, impl=_cast_impl(self._config, local.device))
+                           power_of_2=plan.power_of_2,
+                           impl=resolve_cast_impl(self._config, local.device))
         return (data,), (scale.reciprocal(), plan)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -185,7 +191,7 @@ class Fp8AllGatherWeight(torch.Tensor):
             inv.record_stream(torch.cuda.current_stream(inv.device))
         if plan.direct:
             return post_all_gather_direct(data, inv, plan, param_dtype, out)
-        impl = _cast_impl(self._config, data.device)
+        impl = resolve_cast_impl(self._config, data.device)
         if out is not None:
             target = getattr(out, "_local_tensor", out)  # DTensor (FSDP + TP) or plain
             rows = target.shape[0]

@@ -97,12 +97,12 @@ def post_all_gather_direct(data: torch.Tensor, inv: torch.Tensor, plan: GatherPl
     if not isinstance(out, Fp8WeightTensor):
         raise RuntimeError(f"FP8 all-gather (direct plan) expected to refill an Fp8WeightTensor, "
                            f"got {type(out).__name__}")
-    target = out._data
+    target = out.fp8_data
     n = target.numel()
     if n and target.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
         # Not FSDP's reused all-gather output (not seen with torch 2.13): copy, keeping the version
         # counter, since autograd may hold this weight for backward.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
             target.view(torch.uint8).copy_(data.reshape(-1)[:n].view(target.shape))
-    out._inv_scale = inv  # rebind, not copy_: a backward in flight keeps the tensor it saw
+    out.inv_scale = inv  # rebind, not copy_: a backward in flight keeps the tensor it saw
     return None

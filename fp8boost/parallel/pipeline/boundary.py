@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from fp8boost import _state
-from fp8boost.parallel.comm._utils import _cast_impl
+from fp8boost.parallel.comm._utils import resolve_cast_impl
 from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.wire import dequantize_rows, quantize_rows, segment_bytes
 
@@ -54,7 +54,7 @@ def encode_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, cfg: Fp8CommConfig) -> t
     # The padding bytes are never read; zero them so the container holds no stray NaN patterns.
     packed[:, n:].zero_()
     quantize_rows(x.detach().contiguous().view(1, n), packed, fp8_dtype,
-                  power_of_2=cfg.power_of_2_wire_scale, impl=_cast_impl(cfg, x.device))
+                  power_of_2=cfg.power_of_2_wire_scale, impl=resolve_cast_impl(cfg, x.device))
     return container
 
 
@@ -67,7 +67,7 @@ def decode_fp8(container: torch.Tensor, shape: tuple, dtype: torch.dtype,
     packed = container.detach().contiguous().view(torch.uint8).view(1, -1)
     out = torch.empty(shape, dtype=dtype, device=container.device)
     dequantize_rows(packed, n, fp8_dtype, out.view(1, n), power_of_2=cfg.power_of_2_wire_scale,
-                    impl=_cast_impl(cfg, container.device))
+                    impl=resolve_cast_impl(cfg, container.device))
     return out
 
 

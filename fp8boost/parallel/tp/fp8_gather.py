@@ -26,11 +26,11 @@ class _GatherSeqFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, layer):
         cfg = layer.fp8_config
-        layer._resolve_backend(x.device)
+        backend = layer.resolve_backend(x.device)
         a = amax(x)
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
         scale = scale_from_amax(a, E4M3, cfg.margin, cfg.power_of_2_scale)
-        q, _ = layer._fp8_backend.quantize(x.reshape(-1, x.shape[-1]), E4M3, scale=scale)
+        q, _ = backend.quantize(x.reshape(-1, x.shape[-1]), E4M3, scale=scale)
         local = q.data.view(torch.uint8).view(x.shape)  # gloo and NCCL have no FP8 type
         full = all_gather_dim(local, dim, group).contiguous().view(E4M3)
         ctx.dim, ctx.group = dim, group

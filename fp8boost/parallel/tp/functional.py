@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fp8boost.parallel.comm._utils import _all_gather_single, _reduce_scatter_single
+from fp8boost.parallel.comm._utils import all_gather_single, reduce_scatter_single
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_seq", "reduce_scatter_seq", "split_seq",
            "all_gather_dim", "reduce_scatter_dim"]
@@ -40,7 +40,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    _all_gather_single(out, moved, group, async_op=False)
+    all_gather_single(out, moved, group, async_op=False)
     return out.movedim(0, dim)
 
 
@@ -55,7 +55,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    _reduce_scatter_single(out, moved, group, async_op=False)
+    reduce_scatter_single(out, moved, group, async_op=False)
     return out.movedim(0, dim)
 
 
