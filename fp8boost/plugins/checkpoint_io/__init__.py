@@ -15,7 +15,9 @@
 ``resume``   ``latest_checkpoint``: the newest complete checkpoint of a folder (auto-resume).
 ``hybrid``   ``HybridCheckpointIO`` for ``HybridParallelPlugin`` (tp-split plain tensors x
              ZeRO): HF export gathered over tp a parameter at a time, tp-sliced HF loads,
-             resumable state as DCP DTensors on the (dp, pp, tp) mesh (reshards on load).
+             resumable state as DCP DTensors on the (dp, pp, tp) mesh (reshards on load);
+             ``hybrid_tp``: its tensor-parallel split (``TpLayout``), ``hybrid_pp``: its
+             pipeline stages.
 """
 from .base import CheckpointIO, GeneralCheckpointIO
 from .checksums import checksum_files, verify_checksums

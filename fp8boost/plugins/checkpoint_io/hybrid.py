@@ -45,6 +45,7 @@ from . import atomic, coordination as coord, hf_sharded as hf
 from .base import STATE_MARKER, CheckpointIO
 from .checksums import verify_checksums
 from .formats import MODEL_INDEX, MODEL_SINGLE
+from .hybrid_tp import TpLayout
 from .model_io import dedup_state_dict, storage_key
 from .optimizer_io import check_optimizer, jsonable, restore_types
 
@@ -53,22 +54,7 @@ STATE_INDEX = "hybrid_state.json"
 OPTIM_MARKER = "fp8boost_hybrid_optimizer.json"
 
 
-# ------------------------------------------------------------------------------ layout
-def _tp_layout(plugin) -> tuple[dict[str, int], object, int, int]:
-    """(shard_dims, tp group, tp size, tp rank); no split when the plugin has no tp."""
-    st = plugin.tp_state
-    if st is None or st.size == 1:
-        return {}, None, 1, 0
-    return dict(st.shard_dims), st.group, st.size, st.rank
-
-
-def _full_shape(t: torch.Tensor, dim: Optional[int], size: int) -> tuple[int, ...]:
-    shape = list(t.shape)
-    if dim is not None:
-        shape[dim] *= size
-    return tuple(shape)
-
-
+# ------------------------------------------------------------------------------ checks
 def _check_boosted(plugin, module: nn.Module) -> None:
     """Raise (before any collective) when ``module`` was not split by this plugin."""
     if plugin.tp_size > 1 and plugin.tp_state is None:
@@ -96,15 +82,6 @@ def _check_size(size_per_shard_mb) -> None:
 
 
 # ------------------------------------------------------------------------------ export
-def _gather_tp(t: torch.Tensor, dim: int, group, size: int, dst: int) -> Optional[torch.Tensor]:
-    """The full tensor on global rank ``dst`` (None elsewhere): one ``dist.gather`` over tp."""
-    local = t.detach().contiguous()
-    me = dist.get_rank() == dst
-    parts = [torch.empty_like(local) for _ in range(size)] if me else None
-    dist.gather(local, parts, dst=dst, group=group)
-    return torch.cat(parts, dim=dim) if me else None
-
-
 def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
                       size_mb: float) -> None:
     """Write the full model in HF layout into ``directory``; collective over the world.
@@ -115,19 +92,18 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     """
     if plugin.pp_size > 1:
         from .hybrid_pp import write_hf_gathered_pp
-        return write_hf_gathered_pp(plugin, model, directory, shard, size_mb, _tp_layout,
-                                    _gather_tp, _full_shape, hf.write_index_and_config)
+        return write_hf_gathered_pp(plugin, model, directory, shard, size_mb)
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
-    dims, group, size, _ = _tp_layout(plugin)
+    tp = TpLayout.of(plugin)
     sd = dedup_state_dict(module.state_dict(keep_vars=True))
     # Meta stand-ins with the full shapes: file planning and headers need no data.
-    shapes = {k: torch.empty(_full_shape(t, dims.get(k), size), dtype=t.dtype, device="meta")
+    shapes = {k: torch.empty(tp.full_shape(k, t), dtype=t.dtype, device="meta")
               for k, t in sd.items()}
     plan = hf.plan_files(shapes, shard, size_mb)
     names = hf.file_names(plan, shard)
     writer = coord.rank(plugin.checkpoint_group) == 0
-    sends = size > 1 and plugin.dp_rank == 0  # rank 0's tp group
+    sends = tp.size > 1 and plugin.dp_rank == 0  # rank 0's tp group
     sink = hf.Sink(directory) if writer else None
     with torch.no_grad():
         for fname, keys in zip(names, plan):
@@ -135,8 +111,8 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
                 sink.open(fname, [(k, shapes[k]) for k in keys])
             for k in keys:
                 t = overrides.get(id(sd[k]), sd[k]).detach()
-                if sends and k in dims:
-                    t = _gather_tp(t, dims[k], group, size, dst=0)
+                if sends and k in tp.shard_dims:
+                    t = tp.gather(k, t, dst=0)
                 if sink is not None:
                     sink.write(k, t)
                 del t  # free the gathered copy before the next gather
@@ -150,23 +126,15 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
 
 
 # ------------------------------------------------------------------------------ reading
-def _tp_box(full_shape: tuple, dim: int, size: int, rank: int) -> tuple[slice, ...]:
-    """This tp rank's box of a tensor split into ``size`` equal chunks along ``dim``."""
-    box = [slice(0, n) for n in full_shape]
-    n = full_shape[dim] // size
-    box[dim] = slice(rank * n, (rank + 1) * n)
-    return tuple(box)
-
-
-def _check_hf_keys(own: dict, shapes: dict, dims: dict, size: int, directory: str,
-                   strict: bool, known: Optional[set] = None) -> None:
+def _check_hf_keys(own: dict, shapes: dict, tp: TpLayout, directory: str, strict: bool,
+                   known: Optional[set] = None) -> None:
     """Compare the files' full shapes with the model's (local shape x tp along the split).
 
     ``known``: every rank's keys (pipeline stages hold different ones), or None.
     """
     unexpected = [k for k in shapes if k not in own and (known is None or k not in known)]
-    wrong = [f"{k}: {shapes[k]} vs {_full_shape(own[k], dims.get(k), size)}" for k in shapes
-             if k in own and shapes[k] != _full_shape(own[k], dims.get(k), size)]
+    wrong = [f"{k}: {shapes[k]} vs {tp.full_shape(k, own[k])}" for k in shapes
+             if k in own and shapes[k] != tp.full_shape(k, own[k])]
     loaded = {storage_key(own[k]) for k in shapes if k in own}
     missing = [k for k in own if k not in shapes and storage_key(own[k]) not in loaded]
     if wrong or (strict and (missing or unexpected)):
@@ -186,7 +154,7 @@ def read_hf_sliced(plugin, model: nn.Module, directory: str, strict: bool = True
     if plugin.pp_size > 1:
         from .hybrid_pp import all_keys
         known = all_keys(plugin, module, dedup=False)
-    dims, _, size, rank = _tp_layout(plugin)
+    tp = TpLayout.of(plugin)
     files = hf.checkpoint_files(directory)
     own = module.state_dict(keep_vars=True)
     reader = hf.Reader(directory)
@@ -198,13 +166,13 @@ def read_hf_sliced(plugin, model: nn.Module, directory: str, strict: bool = True
             with reader.errors(fname):
                 keys_of[fname] = list(f.keys())
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys_of[fname]})
-        _check_hf_keys(own, shapes, dims, size, directory, strict, known)
+        _check_hf_keys(own, shapes, tp, directory, strict, known)
         for fname in files:  # one file's local slices at a time
             f, part = reader.file(fname), {}
             with reader.errors(fname):
                 for k in keys_of[fname]:
-                    if k in own and k in dims:
-                        part[k] = f.get_slice(k)[_tp_box(shapes[k], dims[k], size, rank)]
+                    if k in own and k in tp.shard_dims:
+                        part[k] = f.get_slice(k)[tp.box(k, shapes[k])]
                     elif k in own:
                         part[k] = f.get_tensor(k)
             # load_state_dict (not copy_): Fp8Linear drops its cached weight casts.
@@ -219,19 +187,20 @@ class _Placer:
     """Wraps tp-local tensors as DTensors on the plugin's mesh (``Shard(d)`` over tp)."""
 
     def __init__(self, plugin) -> None:
-        self.dims, _, self.size, _ = _tp_layout(plugin)
+        self.tp = TpLayout.of(plugin)
+        self.size = self.tp.size
         self.mesh = plugin.topology().mesh if self.size > 1 else None
 
     def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the DTensor of the full tensor; replicated tensors stay plain (DCP
         writes one copy of a plain tensor and every rank reads it whole)."""
-        dim = self.dims.get(name)
+        dim = self.tp.shard_dims.get(name)
         if dim is None:
             return local
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         placements = [Shard(dim) if n == "tp" else Replicate() for n in self.mesh.mesh_dim_names]
-        shape = torch.Size(_full_shape(local, dim, self.size))
+        shape = torch.Size(self.tp.full_shape(name, local))
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local.contiguous(), self.mesh, placements, run_check=False,
                                   shape=shape, stride=stride)

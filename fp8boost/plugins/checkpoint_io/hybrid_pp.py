@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import hf_sharded as hf
+from .hybrid_tp import TpLayout
 from .model_io import dedup_state_dict
 
 __all__ = ["all_keys", "write_hf_gathered_pp", "merge_optimizer_index", "local_param_groups"]
@@ -34,24 +35,24 @@ def all_keys(plugin, module: nn.Module, dedup: bool = True) -> set[str]:
     return set().union(*out)
 
 
-def _owned_entries(plugin, sd: dict, dims: dict, size: int, full_shape) -> list:
+def _owned_entries(plugin, sd: dict, tp: TpLayout) -> list:
     """(key, full shape, dtype name) of the tensors this rank owns for the export."""
     coords = plugin.topology().dims.coords(dist.get_rank())
     if coords["dp"] or coords["tp"]:
         return []
-    return [(k, tuple(full_shape(t, dims.get(k), size)), str(t.dtype).removeprefix("torch."))
+    return [(k, tp.full_shape(k, t), str(t.dtype).removeprefix("torch."))
             for k, t in sd.items()]
 
 
-def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool, size_mb: float,
-                         tp_layout, gather_tp, full_shape, write_index) -> None:
+def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool,
+                         size_mb: float) -> None:
     """``write_hf_gathered`` under pipeline parallelism (collective over the world)."""
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
-    dims, group, size, _ = tp_layout(plugin)
+    tp = TpLayout.of(plugin)
     sd = dedup_state_dict(module.state_dict(keep_vars=True))
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, _owned_entries(plugin, sd, dims, size, full_shape))
+    dist.all_gather_object(gathered, _owned_entries(plugin, sd, tp))
     owner: dict[str, int] = {}
     shapes: dict[str, torch.Tensor] = {}
     for rank, entries in enumerate(gathered):  # pipeline order; a tied key: first stage wins
@@ -72,7 +73,7 @@ def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool, 
                 sink.open(fname, [(k, shapes[k]) for k in keys])
             for k in keys:
                 t = _fetch(k, owner[k], pp_of(owner[k])["pp"] == my_pp and plugin.dp_rank == 0,
-                           sd, overrides, dims, group, size, gather_tp, shapes[k], device)
+                           sd, overrides, tp, shapes[k], device)
                 if sink is not None:
                     sink.write(k, t)
                 del t
@@ -82,19 +83,18 @@ def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool, 
         return
     if sink.failure is not None:
         raise sink.failure
-    write_index(module, directory, names, plan, shapes, shard)
+    hf.write_index_and_config(module, directory, names, plan, shapes, shard)
 
 
-def _fetch(k: str, owner: int, in_owner_group: bool, sd: dict, overrides: dict, dims: dict,
-           group, size: int, gather_tp, meta: torch.Tensor,
-           device: torch.device) -> Optional[torch.Tensor]:
+def _fetch(k: str, owner: int, in_owner_group: bool, sd: dict, overrides: dict, tp: TpLayout,
+           meta: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
     """The full tensor ``k`` on global rank 0 (None elsewhere)."""
     me = dist.get_rank()
     t = None
     if in_owner_group:
         t = overrides.get(id(sd[k]), sd[k]).detach()
-        if size > 1 and k in dims:
-            t = gather_tp(t, dims[k], group, size, dst=owner)
+        if tp.size > 1 and k in tp.shard_dims:
+            t = tp.gather(k, t, dst=owner)
     if owner == 0:
         return t if me == 0 else None
     if me == owner:
