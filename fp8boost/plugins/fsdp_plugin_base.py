@@ -239,7 +239,7 @@ class FsdpPluginBase(Plugin):
                                 allow_no_sync=self.allow_no_sync, group=mesh.get_group(),
                                 comm_device=device)
         wrapped = ModelWrapper(model, DTYPES[self.precision])
-        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        wrapped.boosted_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
         return wrapped, opt, criterion, loader, lr_scheduler
 

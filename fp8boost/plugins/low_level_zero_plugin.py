@@ -142,7 +142,7 @@ class LowLevelZeroPlugin(Plugin):
             self.comm_report = opt.comm_report
             opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         wrapped = ModelWrapper(model, DTYPES[self.precision])
-        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        wrapped.boosted_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, self.dp_world_size, self.dp_rank)
         return wrapped, opt, criterion, loader, lr_scheduler
 

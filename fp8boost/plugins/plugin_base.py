@@ -191,7 +191,7 @@ class Plugin(ABC):
         opt = self.wrap_optimizer(model, optimizer, device) if optimizer is not None else None
         self.bind_checkpoint_io(model, opt)
         wrapped = self.wrap_model(module, opt)
-        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        wrapped.boosted_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
         return wrapped, opt, criterion, loader, lr_scheduler
 
@@ -342,14 +342,13 @@ class Plugin(ABC):
         """``{id(param): tensor}`` to save instead of working params that are lossy copies
         (ZeRO's FP8-gathered weights). Collective: every rank calls it."""
         out: dict[int, torch.Tensor] = {}
-        for opt in getattr(model, "_fp8boost_optimizers", ()):
-            if hasattr(opt, "exact_working_params"):
-                out.update(opt.exact_working_params())
+        # The optimizers boost() built over this model (none for a model it did not return).
+        for opt in (model.boosted_optimizers if isinstance(model, ModelWrapper) else ()):
+            out.update(opt.exact_working_params())
         return out
 
     def after_load_model(self, model: nn.Module) -> None:
         """Refresh derived state (e.g. ZeRO master weights) after model weights were loaded."""
-        for opt in getattr(model, "_fp8boost_optimizers", ()):
-            if hasattr(opt, "sync_master_from_model"):
-                opt.sync_master_from_model()
+        for opt in (model.boosted_optimizers if isinstance(model, ModelWrapper) else ()):
+            opt.sync_master_from_model()
 

@@ -108,7 +108,7 @@ class TorchDDPPlugin(Plugin):
             self._register_fp8_hook(ddp)
         wrapped = ModelWrapper(ddp, DTYPES[self.precision])
         opt = wrap_optimizer(optimizer, self.precision, self.max_norm)
-        wrapped._fp8boost_optimizers = [opt] if opt is not None else []
+        wrapped.boosted_optimizers = [opt] if opt is not None else []
         loader = shard_dataloader(dataloader, self.dp_world_size, self.dp_rank)
         return wrapped, opt, criterion, loader, lr_scheduler
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fp8boost.parallel.boosted_optimizer import OptimizerProxy
+from fp8boost.parallel.boosted_optimizer import BoostedOptimizer, OptimizerProxy
 from fp8boost.parallel.zero.sharding import ParamShard, make_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -55,12 +55,20 @@ class ModelWrapper(nn.Module):
     Args:
         module: the user's model, or an engine wrapper around it (e.g. ``DistributedDataParallel``).
         input_dtype: cast floating-point inputs to this dtype (None: leave inputs alone).
+
+    Attributes:
+        boosted_optimizers: the optimizers ``boost`` built over this model's parameters, held
+            here so that checkpoint IO can take their exact weights when it saves the model
+            (``Plugin.exact_weights``) and refresh their masters when it loads it
+            (``Plugin.after_load_model``).
     """
 
     def __init__(self, module: nn.Module, input_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.module = module
         self.input_dtype = input_dtype
+        # Set by the plugin's configure, once the optimizer over these parameters exists.
+        self.boosted_optimizers: list[BoostedOptimizer] = []
 
     def forward(self, *args, **kwargs):
         if self.input_dtype is not None and self.input_dtype != torch.float32:
@@ -78,7 +86,7 @@ class ModelWrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "input_dtype"):
+            if name in ("module", "input_dtype", "boosted_optimizers"):
                 raise
             return getattr(self.unwrap(), name)
 

@@ -117,3 +117,18 @@ def test_master_weight_optimizer_is_zero_at_one_rank(opt_cls, fused) -> None:
         assert torch.equal(pa, pb)
     for ma, mb in zip(oa.full_master_params(), ob.full_master_params()):
         assert torch.equal(ma, mb)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_boosted_model_holds_the_optimizer_boost_returned(precision: str) -> None:
+    """The model ``boost`` returns holds its optimizer explicitly (no side attribute)."""
+    from fp8boost.booster import Booster
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    booster = Booster(mixed_precision=precision, device="cpu")
+    wrapped, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
+    assert isinstance(opt, BoostedOptimizer)
+    assert len(wrapped.boosted_optimizers) == 1 and wrapped.boosted_optimizers[0] is opt
+    assert booster.plugin.exact_weights(wrapped) == {}
+    assert booster.plugin.exact_weights(model) == {}  # not a model boost returned: none held
+    booster.plugin.after_load_model(wrapped)
