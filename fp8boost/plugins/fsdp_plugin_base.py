@@ -20,9 +20,10 @@ from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
 from fp8boost.parallel.zero.optimizer import OptimizerProxy
 
 from .delayed_amax import reduce_delayed_amax
-from .plugin_base import Boosted, Plugin, check_boost_args, default_device, init_distributed, \
-    shard_dataloader
-from .wrappers import DTYPES, ModelWrapper, cast_params_
+from .distributed import broadcast_module
+from .plugin_base import Plugin
+from .precision import make_loss_scaler
+from .wrappers import DTYPES, cast_params_
 
 logger = logging.getLogger("fp8boost.plugins")
 
@@ -30,18 +31,6 @@ logger = logging.getLogger("fp8boost.plugins")
 FP8_RS_REASON = ("FP8 reduce-scatter measured slower than FP32/BF16 on 2xH200 NVLink at every "
                  "size up to 256 MB (0.11x at 16 MB, 0.52x at 256 MB; casts included), so "
                  "gradients reduce-scatter in FP32; pass fp8_reduce_scatter=True for slow links")
-
-
-def check_loss_scaling(initial_scale: object, growth_interval: object) -> tuple[float, int]:
-    """Validate the fp16 dynamic loss scaling arguments (used only with ``precision="fp16"``)."""
-    if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)) \
-            or not 1.0 <= initial_scale <= 2.0 ** 32:
-        raise ValueError(f"initial_scale must be a number in [1, 2**32] (a power of two keeps "
-                         f"scaling exact), got {initial_scale!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-            or growth_interval < 1:
-        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-    return float(initial_scale), growth_interval
 
 
 class FsdpOptimizer(OptimizerProxy):
@@ -183,90 +172,74 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],
 
 
 class FsdpPluginBase(Plugin):
-    """Shared ``configure`` of the FSDP2 plugins; subclasses validate and set the options."""
+    """configure's steps for the FSDP2 plugins; subclasses validate and keep their own options
+    (``reshard_after_forward``, ``cpu_offload``, ``norm_type``, ``allow_no_sync``)."""
 
-    supported_precisions = ("fp32", "bf16", "fp16")
-    precision = "bf16"
-    use_fp8 = fp8_communication = fp8_reduce_scatter = False
-    fp8_config = comm_config = None
-    max_norm, norm_type = 0.0, 2.0
+    norm_type = 2.0
     reshard_after_forward, cpu_offload = True, False
     allow_no_sync = True
-    initial_scale, growth_interval = 2.0 ** 16, 1000
 
     def get_checkpoint_io(self):
         from .checkpoint_io.dcp import DTensorCheckpointIO
         return DTensorCheckpointIO(self)
 
-    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
-                  lr_scheduler=None, device=None) -> Boosted:
-        check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
+    # configure's steps (Plugin.configure)
+    def validate(self, model: nn.Module, optimizer) -> None:
+        from fp8boost.parallel.fsdp import wiring
+
         if optimizer is not None and len(optimizer.state) > 0:
             raise ValueError("the optimizer already has state; build a fresh optimizer on "
                              "model.parameters() and boost it before the first step")
+        self._lazy = wiring.on_meta(model)  # a meta model is materialized shard by shard
+        if self._lazy:
+            wiring.check_meta_model(model)  # before any process group is touched
+
+    def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        """FP32 masters (sharded in ``parallelize``) on ``device``, equal on every rank; a meta
+        model stays on meta until FSDP2 shards it."""
+        # The names let wrap_optimizer rebind the user's optimizer to the sharded parameters.
+        self._param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        if not self._lazy:
+            model.to(device)
+            broadcast_module(model, self.dp_group)
+        # Buffers keep their dtype: rotary tables, FP8 histories.
+        cast_params_(model, torch.float32)
+
+    def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         from fp8boost.parallel.fsdp import wiring
 
-        lazy = wiring.on_meta(model)
-        if lazy:
-            wiring.check_meta_model(model)  # before any process group is touched
-        init_distributed()
-        device = torch.device(device) if device is not None else default_device()
-        self._topology = None
-        mesh = self.topology(device).submesh("dp")
-        old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        if not lazy:
-            model.to(device)
-            _broadcast_params(model, self.dp_group)
-        # FP32 masters, sharded below (buffers keep their dtype: rotary tables, FP8 histories).
-        cast_params_(model, torch.float32)
-        self.fp8_report = self._convert_fp8(model)
+        mesh = self.topology().submesh("dp")
         # Buffers (FP8 amax histories) stay whole on every rank: reduce them to one history.
         reduce_delayed_amax(model, self.dp_group)
         self.comm_report = self._fp8_all_gather(model)
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
-        if lazy:
+        if self._lazy:
             wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device,
                                shard_rank=mesh.get_local_rank())
         self._fp8_reduce_scatter(model)
-        opt = None
-        if optimizer is not None:
-            rebind_optimizer(optimizer, old_names, model)
-            scaler = DynamicLossScaler(self.initial_scale, growth_interval=self.growth_interval) \
-                if self.precision == "fp16" else None
-            opt = FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type, scaler,
-                                fp8_scales=bool(self.comm_report["fp8_all_gather"]),
-                                allow_no_sync=self.allow_no_sync, group=mesh.get_group(),
-                                comm_device=device)
-        wrapped = ModelWrapper(model, DTYPES[self.precision])
-        wrapped.boosted_optimizers = [opt] if opt is not None else []
-        loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
-        return wrapped, opt, criterion, loader, lr_scheduler
+        return model
 
-    def _convert_fp8(self, model: nn.Module):
-        if not self.use_fp8:
-            return None
-        from fp8boost.fp8 import convert_to_fp8
-        report = convert_to_fp8(model, self.fp8_config)
-        if not report.converted:
-            reasons = sorted(set(report.skipped.values()))
-            _state.warn_once(f"fp8-nothing-converted-{reasons}",
-                             "fp8boost: use_fp8=True but no linear layer was converted to FP8 "
-                             f"({'; '.join(reasons) or 'the model has no nn.Linear'}). Pass "
-                             "fp8_config=Fp8Config(min_numel=0) to convert small layers anyway.")
-        return report
+    def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> "FsdpOptimizer":
+        rebind_optimizer(optimizer, self._param_names, model)
+        return FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type,
+                             make_loss_scaler(self.precision, self.initial_scale,
+                                              self.growth_interval),
+                             fp8_scales=bool(self.comm_report["fp8_all_gather"]),
+                             allow_no_sync=self.allow_no_sync,
+                             group=self.topology().submesh("dp").get_group(), comm_device=device)
 
     def _fp8_all_gather(self, model: nn.Module) -> dict:
         report = {"fp8_all_gather": [], "fp8_reduce_scatter": False, "why_not": {}}
         if not self.fp8_communication:
             report["why_not"]["all_gather"] = "fp8_communication=False"
             return report
-        from fp8boost.fp8.linear import Fp8Linear
+        from fp8boost.fp8 import is_fp8_layer
         from fp8boost.parallel.comm.config import Fp8CommConfig
         from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather
 
         names = enable_fp8_all_gather(model, self.comm_config or Fp8CommConfig(),
-                                      lambda mod, fqn: isinstance(mod, Fp8Linear))
+                                      lambda mod, fqn: is_fp8_layer(mod))
         report["fp8_all_gather"] = names
         if not names:
             why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
@@ -292,15 +265,3 @@ class FsdpPluginBase(Plugin):
                              "booster.boost()")
         return optimizer.no_sync()
 
-
-def _broadcast_params(model: nn.Module, group) -> None:
-    """Every rank starts from rank 0's weights before sharding (as DDP does)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                dist.broadcast(t.data.view(torch.uint8), src, group=group)  # gloo has no FP8
-            else:
-                dist.broadcast(t.data, src, group=group)

@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from fp8boost import _state
-from fp8boost.fp8.config import Fp8Config
 
-from .fsdp_plugin_base import FsdpPluginBase, check_loss_scaling
-from .plugin_base import check_bool
-from .precision import check_comm_config, check_fp8_config, check_max_norm, check_precision
+from .fsdp_plugin_base import FsdpPluginBase
+from .options import check_bool, takes_plugin_options
 
 logger = logging.getLogger("fp8boost.plugins")
 
@@ -23,6 +20,7 @@ def _check_frac(name: str, value: object) -> float:
     return float(value)
 
 
+@takes_plugin_options(positional=("precision", "max_norm", "norm_type"))
 class GeminiPlugin(FsdpPluginBase):
     """ZeRO-3: parameters, gradients and optimizer state sharded 1/dp, on FSDP2.
 
@@ -58,28 +56,18 @@ class GeminiPlugin(FsdpPluginBase):
         >>> # model, optimizer, *_ = booster.boost(model, optimizer)
     """
 
-    def __init__(self, precision: str = "bf16", max_norm: float = 0.0, norm_type: float = 2.0,
-                 *, offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
-                 enable_gradient_accumulation: bool = False, reshard_after_forward: bool = True,
-                 use_fp8: bool = False, fp8_communication: bool = False,
-                 fp8_reduce_scatter: bool = False, fp8_config: Optional[Fp8Config] = None,
-                 comm_config=None, initial_scale: float = 2.0 ** 16,
-                 growth_interval: int = 1000) -> None:
-        self.precision = check_precision(precision, self.supported_precisions)
-        self.max_norm = check_max_norm(max_norm)
+    def __init__(self, norm_type: float = 2.0, *, offload_optim_frac: float = 0.0,
+                 offload_param_frac: float = 0.0, enable_gradient_accumulation: bool = False,
+                 reshard_after_forward: bool = True, **options) -> None:
+        super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type <= 0:
             raise ValueError(f"norm_type must be a number > 0 (2.0: L2), got {norm_type!r}")
         self.norm_type = float(norm_type)
         optim_frac = _check_frac("offload_optim_frac", offload_optim_frac)
         param_frac = _check_frac("offload_param_frac", offload_param_frac)
         for name, value in (("enable_gradient_accumulation", enable_gradient_accumulation),
-                            ("reshard_after_forward", reshard_after_forward),
-                            ("use_fp8", use_fp8), ("fp8_communication", fp8_communication),
-                            ("fp8_reduce_scatter", fp8_reduce_scatter)):
+                            ("reshard_after_forward", reshard_after_forward)):
             check_bool(name, value)
-        if fp8_reduce_scatter and not fp8_communication:
-            raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
-        initial_scale, growth_interval = check_loss_scaling(initial_scale, growth_interval)
         # FSDP2 offloads parameters, gradients and optimizer state together.
         self.cpu_offload = optim_frac == 1.0 or param_frac == 1.0
         if optim_frac != param_frac:
@@ -91,13 +79,6 @@ class GeminiPlugin(FsdpPluginBase):
         self.offload_optim_frac, self.offload_param_frac = optim_frac, param_frac
         self.allow_no_sync = enable_gradient_accumulation
         self.reshard_after_forward = reshard_after_forward
-        self.use_fp8, self.fp8_communication = use_fp8, fp8_communication
-        self.fp8_reduce_scatter = fp8_reduce_scatter
-        self.fp8_config = check_fp8_config(fp8_config)
-        self.comm_config = check_comm_config(comm_config)
-        self.initial_scale, self.growth_interval = initial_scale, growth_interval
-        self.fp8_report = None
-        self.comm_report: dict = {}
 
     def __repr__(self) -> str:
         return (f"GeminiPlugin(precision={self.precision!r}, use_fp8={self.use_fp8}, "

@@ -4,23 +4,21 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fp8boost.fp8.config import Fp8Config
+from fp8boost.fp8 import fp8_layers
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .delayed_amax import reduce_delayed_amax
-from .plugin_base import Boosted, Plugin, check_bool, check_boost_args, default_device, \
-    init_distributed, shard_dataloader
-from .precision import check_comm_config, check_fp8_config, check_max_norm, check_precision, \
-    make_loss_scaler, prepare_model
-from .wrappers import DTYPES, ModelWrapper
+from .distributed import broadcast_module
+from .options import check_bool, check_bucket_size, takes_plugin_options
+from .plugin_base import Plugin
+from .precision import make_loss_scaler
 
-_MIB = 1024 * 1024
 FP8_PARAM_GATHER = ("fp8_linear", "all", "none")
 
 
+@takes_plugin_options(positional=("stage", "precision", "use_fp8", "fp8_communication"))
 class LowLevelZeroPlugin(Plugin):
     """ZeRO-1/2: replicated low-precision params, FP32 master weights + optimizer state sharded.
 
@@ -62,89 +60,56 @@ class LowLevelZeroPlugin(Plugin):
         >>> # model, optimizer, _, loader, _ = booster.boost(model, optimizer, dataloader=loader)
     """
 
-    supported_precisions = ("fp32", "bf16", "fp16")
-
-    def __init__(self, stage: int = 2, precision: str = "bf16", use_fp8: bool = False,
-                 fp8_communication: bool = False, *, overlap_communication: bool = True,
-                 reduce_bucket_size_in_m: Optional[float] = None, max_norm: float = 0.0,
-                 cpu_offload: bool = False, master_weights: bool = True,
-                 initial_scale: float = 2.0 ** 16, growth_interval: int = 1000,
-                 fp8_config: Optional[Fp8Config] = None, comm_config=None,
-                 fp8_param_gather: str = "fp8_linear", fp8_reduce_scatter: bool = False) -> None:
+    def __init__(self, stage: int = 2, *, overlap_communication: bool = True,
+                 reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
+                 master_weights: bool = True, fp8_param_gather: str = "fp8_linear",
+                 **options) -> None:
+        super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-3 is GeminiPlugin), got {stage!r}")
-        check_precision(precision, self.supported_precisions)
-        for name, value in (("use_fp8", use_fp8), ("fp8_communication", fp8_communication),
-                            ("overlap_communication", overlap_communication),
-                            ("cpu_offload", cpu_offload), ("master_weights", master_weights),
-                            ("fp8_reduce_scatter", fp8_reduce_scatter)):
+        for name, value in (("overlap_communication", overlap_communication),
+                            ("cpu_offload", cpu_offload), ("master_weights", master_weights)):
             check_bool(name, value)
-        if fp8_reduce_scatter and not fp8_communication:
-            raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
-        if reduce_bucket_size_in_m is None:
-            reduce_bucket_size_in_m = 64 if fp8_communication else 12
-        if isinstance(reduce_bucket_size_in_m, bool) or \
-                not isinstance(reduce_bucket_size_in_m, (int, float)) or reduce_bucket_size_in_m <= 0:
-            raise ValueError("reduce_bucket_size_in_m must be > 0 (millions of elements), got "
-                             f"{reduce_bucket_size_in_m!r}")
-        if not isinstance(initial_scale, (int, float)) or initial_scale <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {initial_scale!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         if fp8_param_gather not in FP8_PARAM_GATHER:
             raise ValueError(f"fp8_param_gather={fp8_param_gather!r} is not supported; use one of "
                              f"{FP8_PARAM_GATHER}")
-        self.fp8_param_gather = fp8_param_gather
-        self.fp8_reduce_scatter = fp8_reduce_scatter
-        self.comm_report: dict = {}
-        self.stage, self.precision = stage, precision
-        self.use_fp8, self.fp8_communication = use_fp8, fp8_communication
+        self.reduce_bucket_numel = check_bucket_size(reduce_bucket_size_in_m,
+                                                     self.fp8_communication)
+        self.stage, self.fp8_param_gather = stage, fp8_param_gather
         self.overlap_communication = overlap_communication
-        self.reduce_bucket_numel = max(1, int(reduce_bucket_size_in_m * _MIB))
-        self.max_norm = check_max_norm(max_norm)
         self.cpu_offload, self.master_weights = cpu_offload, master_weights
-        self.initial_scale, self.growth_interval = float(initial_scale), growth_interval
-        self.fp8_config = check_fp8_config(fp8_config)
-        self.comm_config = check_comm_config(comm_config)
-        if fp8_communication:
+        if self.fp8_communication:
             from fp8boost.parallel.comm import collectives  # noqa: F401 - fail now, not mid-boost
-        self.fp8_report = None
 
     def __repr__(self) -> str:
         return (f"LowLevelZeroPlugin(stage={self.stage}, precision={self.precision!r}, "
                 f"use_fp8={self.use_fp8}, fp8_communication={self.fp8_communication}, "
                 f"cpu_offload={self.cpu_offload})")
 
-    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
-                  lr_scheduler=None, device=None) -> Boosted:
-        check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
+    # configure's steps (Plugin.configure): the default build (move, cast) and FP8 conversion.
+    def validate(self, model: nn.Module, optimizer) -> None:
         if optimizer is not None:
             ZeroOptimizer.validate(optimizer)
-        init_distributed()
-        device = torch.device(device) if device is not None else default_device()
-        self._topology = None  # a fresh mesh for this run's process group
-        group = self.topology(device).group("dp")
-        self.fp8_report = prepare_model(model, self.precision, self.use_fp8, self.fp8_config, device)
-        if self.dp_size > 1:
-            _broadcast_module(model, group)
-            reduce_delayed_amax(model, group)  # one delayed-scaling history on every rank
-        opt = None
-        if optimizer is not None:
-            opt = ZeroOptimizer(
-                optimizer, dp_group=group, stage=self.stage, master_weights=self.master_weights,
-                overlap_communication=self.overlap_communication,
-                reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
-                cpu_offload=self.cpu_offload,
-                loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
-                fp8_communication=self.fp8_communication, comm_config=self.comm_config,
-                fp8_params=self._fp8_gather_params(model),
-                fp8_reduce_scatter=self.fp8_reduce_scatter)
-            self.comm_report = opt.comm_report
-            opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
-        wrapped = ModelWrapper(model, DTYPES[self.precision])
-        wrapped.boosted_optimizers = [opt] if opt is not None else []
-        loader = shard_dataloader(dataloader, self.dp_world_size, self.dp_rank)
-        return wrapped, opt, criterion, loader, lr_scheduler
+
+    def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        group = self.topology().group("dp")
+        broadcast_module(model, group)  # every replica starts from dp rank 0's weights
+        reduce_delayed_amax(model, group)  # one delayed-scaling history on every rank
+        return model
+
+    def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
+        opt = ZeroOptimizer(
+            optimizer, dp_group=self.topology().group("dp"), stage=self.stage,
+            master_weights=self.master_weights, overlap_communication=self.overlap_communication,
+            reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
+            cpu_offload=self.cpu_offload,
+            loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
+            fp8_communication=self.fp8_communication, comm_config=self.comm_config,
+            fp8_params=self._fp8_gather_params(model),
+            fp8_reduce_scatter=self.fp8_reduce_scatter)
+        self.comm_report = opt.comm_report
+        opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
+        return opt
 
     def _fp8_gather_params(self, model: nn.Module) -> Optional[list]:
         if self.fp8_param_gather == "all":
@@ -152,8 +117,7 @@ class LowLevelZeroPlugin(Plugin):
         if self.fp8_param_gather == "none":
             return []
         from fp8boost.fp8.backends import warn_once
-        from fp8boost.fp8.linear import Fp8Linear
-        weights = [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
+        weights = [m.weight for m in fp8_layers(model)]
         if self.fp8_communication and not weights:
             warn_once("zero_fp8_gather_none",
                       "LowLevelZeroPlugin(fp8_communication=True): the model has no Fp8Linear "
@@ -162,13 +126,3 @@ class LowLevelZeroPlugin(Plugin):
                       "every parameter in FP8")
         return weights
 
-
-def _broadcast_module(model: nn.Module, group) -> None:
-    """Make every replica start from rank 0's parameters and buffers (like DDP does)."""
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                dist.broadcast(t.view(torch.uint8), src, group=group)  # gloo has no FP8 type
-            else:
-                dist.broadcast(t, src, group=group)

@@ -19,7 +19,7 @@ from fp8boost.plugins.options import PluginOptions
 
 PLUGINS = [TorchDDPPlugin, LowLevelZeroPlugin, GeminiPlugin, TorchFSDPPlugin, HybridParallelPlugin]
 #: the plugins already built on PluginOptions and the configure skeleton (the others follow)
-MOVED = [HybridParallelPlugin]
+MOVED = [LowLevelZeroPlugin, GeminiPlugin, TorchFSDPPlugin, HybridParallelPlugin]
 
 #: {plugin: (positional (name, default) in order, {keyword-only name: default})} before the move
 BEFORE = {
