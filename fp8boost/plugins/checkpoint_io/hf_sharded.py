@@ -42,10 +42,10 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns this rank's data: the local shard, unwrapped from weight
-    subclasses (FP8 all-gather weights keep the real storage in ``_tensor``)."""
+    subclasses (FP8 all-gather weights keep the real storage in ``inner_tensor``)."""
     local = t._local_tensor if is_dtensor(t) else t
-    if type(local) not in (torch.Tensor, nn.Parameter) and hasattr(local, "_tensor"):
-        local = local._tensor
+    if type(local) not in (torch.Tensor, nn.Parameter) and hasattr(local, "inner_tensor"):
+        local = local.inner_tensor
     return local
 
 
