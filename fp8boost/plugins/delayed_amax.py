@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8boost.fp8 import fp8_layers
+
 __all__ = ["reduce_delayed_amax"]
 
 
@@ -32,12 +34,11 @@ def reduce_delayed_amax(model: nn.Module, group=None) -> int:
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return 0
-    from fp8boost.fp8.linear import Fp8Linear
 
     def reduce_max(a: torch.Tensor) -> None:
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
 
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m._delayed]
+    layers = [m for m in fp8_layers(model) if m._delayed]
     for m in layers:
         m.set_amax_reduce_fn(reduce_max)
     return len(layers)
