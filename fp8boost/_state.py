@@ -169,14 +169,6 @@ def cache(name: str) -> dict:
     return found if found is not None else _CACHES.setdefault(name, {})
 
 
-def clear_caches(prefix: str) -> None:
-    """Empty every named cache whose name starts with ``prefix`` (in place)."""
-    with _LOCK:
-        for name, table in _CACHES.items():
-            if name.startswith(prefix):
-                table.clear()
-
-
 def track(obj: Any) -> None:
     """Have :func:`reset` call ``obj.clear()``; ``obj`` is held weakly (it may die any time)."""
     with _LOCK:
@@ -229,7 +221,7 @@ def reset() -> None:
         _WARNED.clear()
         _LOGGED.clear()
         _PROBES.clear()
-        for table in _CACHES.values():
+        for table in list(_CACHES.values()):  # cache() may add one meanwhile (no lock)
             table.clear()
         tracked_now = list(_TRACKED)
         _SETTINGS.clear()
