@@ -41,7 +41,7 @@ from fp8boost import _state
 from fp8boost.fp8.linear import Fp8Linear
 from fp8boost.fp8.scaling import amax, scale_from_amax
 
-from fp8boost.parallel.comm._utils import _cast_impl
+from fp8boost.parallel.comm._utils import resolve_cast_impl
 from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.wire import cast_rows_into, decode_rows_into
 
@@ -84,7 +84,7 @@ def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size):
         why = "Fp8CommConfig.enabled is False (parameters are not gathered in FP8)"
     elif isinstance(layer, Fp8Linear) and layer.fp8_config.fwd_dtype != torch.float8_e4m3fn:
         why = f"the layer's forward FP8 format {layer.fp8_config.fwd_dtype} is not e4m3"
-    elif isinstance(layer, Fp8Linear) and "weight" in getattr(layer, "_amax_groups", {}):
+    elif isinstance(layer, Fp8Linear) and layer.amax_group("weight") is not None:
         why = "the weight is tensor-parallel: its scale comes from an amax over the tp group"
     if why is not None:
         return GatherPlan(False, config.param_dtype, 0, config.power_of_2_scale, why)
@@ -182,7 +182,8 @@ class ZeroDirectPlan:
         j = self.slot[index]
         src = master.to(out_u8.device, non_blocking=True).reshape(1, -1)
         cast_rows_into(src, scales[j:j + 1], out_u8.view(1, -1), w.plan.fp8_dtype,
-                       power_of_2=w.plan.power_of_2, impl=_cast_impl(self.config, out_u8.device))
+                       power_of_2=w.plan.power_of_2,
+                       impl=resolve_cast_impl(self.config, out_u8.device))
 
     def receive(self, index: int, full_u8: torch.Tensor, param: torch.Tensor,
                 scales: torch.Tensor) -> None:
@@ -197,7 +198,7 @@ class ZeroDirectPlan:
         data.copy_(full_u8.view(1, -1))
         j = self.slot[index]
         inv = scales[j:j + 1].reciprocal()
-        impl = _cast_impl(self.config, param.device)
+        impl = resolve_cast_impl(self.config, param.device)
         if param.is_contiguous():
             decode_rows_into(data, inv, w.plan.fp8_dtype, param.detach().view(1, -1),
                              power_of_2=w.plan.power_of_2, impl=impl)
