@@ -290,7 +290,7 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         extra["kernels"] = _profile.kernel_breakdown(step, args.profile_steps, device)
         if rank == 0:
             print(_profile.format_breakdown(name, extra["kernels"]), flush=True)
-    extra["fused_master_step"] = bool(getattr(optimizer, "_fused", False))
+    extra["fused_master_step"] = bool(getattr(optimizer, "uses_fused_step", False))
     return dict(extra, first_step_s=times[0] if first_step is None else first_step,
                 warmup_s=warmup_s,
                 median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
