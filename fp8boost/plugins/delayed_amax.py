@@ -38,7 +38,7 @@ def reduce_delayed_amax(model: nn.Module, group=None) -> int:
     def reduce_max(a: torch.Tensor) -> None:
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
 
-    layers = [m for m in fp8_layers(model) if m._delayed]
+    layers = [m for m in fp8_layers(model) if m.fp8_config.recipe == "delayed"]
     for m in layers:
         m.set_amax_reduce_fn(reduce_max)
     return len(layers)
