@@ -59,6 +59,20 @@ def invalidate_weight_caches(model: nn.Module) -> None:
             mod._w_cache = None
 
 
+def weights_loaded(model: nn.Module) -> None:
+    """Tell every FP8 layer of ``model`` that its weights and buffers were written in place by a
+    loader that bypasses ``load_state_dict`` (e.g. a sharded reader copying into parameters):
+    cached casts and prequantized operands are dropped, and a delayed-scaling layer whose amax
+    history now holds values keeps it instead of re-seeding it from its next input (exact
+    resume), as ``load_state_dict`` does."""
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear):
+            mod._w_cache = None
+            mod._pre_w = None
+            for i, role in enumerate(_ROLES if mod._delayed else ()):
+                mod._delayed[role].initialized = bool(mod.fp8_amax_history[i].any())
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """The three FP8 GEMMs of :class:`Fp8Linear` (and ``Fp8Conv1D``) as one autograd function:
     ``Fp8LinearFunction.apply(x2d, weight [out, in], bias, layer)``; ``layer`` casts."""

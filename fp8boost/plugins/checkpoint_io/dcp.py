@@ -366,6 +366,7 @@ def _load_wrapper_state(optimizer, saved: dict) -> None:
 
 
 def _after_load(module: nn.Module) -> None:
-    # Cached FP8 weight casts describe the old weights.
-    from fp8boost.fp8.linear import invalidate_weight_caches
-    invalidate_weight_caches(module)
+    # Both loaders write in place, past Fp8Linear._load_from_state_dict: cached FP8 weight casts
+    # describe the old weights, and a loaded delayed-scaling history must not be re-seeded.
+    from fp8boost.fp8.linear import weights_loaded
+    weights_loaded(module)
