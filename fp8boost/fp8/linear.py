@@ -37,8 +37,8 @@ from .backends import get_backend
 from .config import Fp8Config
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
-                           fp8_operand_mismatch, fp8_weight_operand, fp8_weight_transpose,
-                           transpose_fp8)
+                           fp8_input_operand, fp8_operand_mismatch, fp8_weight_operand,
+                           fp8_weight_transpose, transpose_fp8)
 from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
 
 _ROLES = ("input", "weight", "grad")
@@ -74,8 +74,7 @@ def weights_loaded(model: nn.Module) -> None:
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """The three FP8 GEMMs of :class:`Fp8Linear` (and ``Fp8Conv1D``) as one autograd function:
-    ``Fp8LinearFunction.apply(x2d, weight [out, in], bias, layer)``; ``layer`` casts."""
+    """Fp8Linear's three FP8 GEMMs: ``apply(x2d, weight [out, in], bias, layer)``."""
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer: "Fp8Linear"):
@@ -329,11 +328,7 @@ class Fp8Linear(nn.Linear):
             why = fp8_operand_mismatch(x2d, "input", self.fp8_config.fwd_dtype,
                                        bool(self._delayed))
             if why is None:
-                data = x2d.fp8_data.contiguous()
-                data_t = None
-                if with_transpose:
-                    data_t = x2d.fp8_data_t if x2d.fp8_data_t is not None else transpose_fp8(data)
-                return Fp8Tensor(data, x2d.inv_scale, data_t)
+                return fp8_input_operand(x2d, with_transpose)
             _state.warn_once(("fp8-linear-prequantized-input", why),
                              f"fp8boost: Fp8Linear dequantizes and re-quantizes an FP8 input: {why}")
             x2d = dequantize_weight(x2d)
@@ -344,11 +339,8 @@ class Fp8Linear(nn.Linear):
         cfg = self.fp8_config
         key = (cfg.fwd_dtype, cfg.margin, cfg.power_of_2_scale, self._fp8_backend.name,
                self._amax_groups.get("input"), tuple(x2d.shape), x2d.stride())
-        q = shared_cast.lookup(src, key, with_transpose)
-        if q is None:
-            q = self._quantize("input", x2d, cfg.fwd_dtype, with_transpose=with_transpose)
-            shared_cast.store(src, key, q)
-        return q
+        return shared_cast.cast_once(src, key, with_transpose, lambda: self._quantize(
+            "input", x2d, cfg.fwd_dtype, with_transpose=with_transpose))
 
     def _prequantized_ok(self, w: torch.Tensor) -> bool:
         """Whether ``w`` is an :class:`Fp8WeightTensor` this layer can feed to its GEMMs as is.
@@ -374,14 +366,9 @@ class Fp8Linear(nn.Linear):
 
         For producers that already hold this layer's weight cast, e.g. ZeRO's FP8 all-gather
         (which casts the FP32 master with the scale from its global amax): the following
-        forwards skip the weight's amax and cast. The operand (a :class:`PrequantizedWeight`,
-        see :attr:`prequantized_weight`) is keyed on ``self.weight``'s storage and version and
-        on the optimizer step epoch now: any later write to the weight, a new weight tensor or
-        an optimizer step drops it (warned once) and the layer casts the weight itself again.
-        ``None`` drops it now. Under ``torch.compile`` the key cannot be read without a graph
-        break, so the operand is used as is until the producer re-sets or drops it or
-        ``load_state_dict`` runs: a producer must re-set it whenever it changes the weight
-        (ZeRO's all-gather does, after every step).
+        forwards skip the weight's amax and cast. ``None`` drops the operand now. When it stops
+        being valid (warned once; the layer casts the weight itself again), and what a producer
+        must do under ``torch.compile``: :class:`~fp8boost.fp8.prequantized.PrequantizedWeight`.
 
         Args:
             data_fp8: ``[out_features, in_features]`` contiguous tensor in the forward FP8

@@ -34,7 +34,7 @@ from .recompute import compiling
 from .scaling import FP8_DTYPES, Fp8Tensor, dequantize
 
 __all__ = ["Fp8WeightTensor", "PrequantizedWeight", "fp8_weight_operand", "fp8_weight_transpose",
-           "dequantize_weight", "fp8_operand_mismatch"]
+           "fp8_input_operand", "dequantize_weight", "fp8_operand_mismatch"]
 
 aten = torch.ops.aten
 # Pure views/aliases of the bytes: the result is the same weight, still FP8 (FSDP2 applies
@@ -136,6 +136,16 @@ def fp8_weight_operand(w: Fp8WeightTensor, with_transpose: bool = False) -> Fp8T
     return Fp8Tensor(w.fp8_data.contiguous(), w.inv_scale, data_t)
 
 
+def fp8_input_operand(x: Fp8WeightTensor, with_transpose: bool = False) -> Fp8Tensor:
+    """An FP8 carrier as a GEMM input [M, K], with its [K, M] transpose if asked (the one the
+    producer made, shared by every consumer, else made here)."""
+    data = x.fp8_data.contiguous()
+    data_t = None
+    if with_transpose:
+        data_t = x.fp8_data_t if x.fp8_data_t is not None else transpose_fp8(data)
+    return Fp8Tensor(data, x.inv_scale, data_t)
+
+
 def fp8_weight_transpose(w: Fp8WeightTensor) -> torch.Tensor:
     """``data^T`` [K, N], contiguous: the K-major weight operand of dgrad (1 byte/element)."""
     return w.fp8_data.t().contiguous()
@@ -181,7 +191,11 @@ class PrequantizedWeight:
     """A layer's FP8 weight operand made by its producer (``Fp8Linear.set_prequantized_weight``).
 
     Valid while the layer's weight is the tensor it was made from: same storage, same version
-    counter and no optimizer step since (``key``); :meth:`matches` checks that.
+    counter and no optimizer step since (``key``, checked by :meth:`matches`): any later write
+    to the weight, a new weight tensor or an optimizer step drops it (warned once). Under
+    ``torch.compile`` the key cannot be read without a graph break, so the operand is used as
+    is until the producer re-sets or drops it or ``load_state_dict`` runs: a producer must
+    re-set it whenever it changes the weight (ZeRO's all-gather does, after every step).
     """
 
     key: tuple

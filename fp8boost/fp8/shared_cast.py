@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -75,6 +75,16 @@ def store(src: torch.Tensor, key: Hashable, fp8: Any) -> None:
 
     entry.src = weakref.ref(src, _drop)
     slot[_KEY] = entry
+
+
+def cast_once(src: torch.Tensor, key: Hashable, with_transpose: bool,
+              make: Callable[[], Any]) -> Any:
+    """The remembered cast of ``src`` made with ``key``, else ``make()``, remembered."""
+    fp8 = lookup(src, key, with_transpose)
+    if fp8 is None:
+        fp8 = make()
+        store(src, key, fp8)
+    return fp8
 
 
 def clear() -> None:

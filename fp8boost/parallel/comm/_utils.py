@@ -271,8 +271,3 @@ def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op:
     """The plain (SUM) reduce-scatter of one tensor, under its name in this torch version."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-
-
-# Former names, for code outside this package's comm/, fsdp/, pipeline/ and tp/ that has not
-# switched yet (parallel/zero/direct_plan.py imports _cast_impl); remove once it has.
-_cast_impl = resolve_cast_impl
