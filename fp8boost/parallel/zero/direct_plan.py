@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.fp8.convert import is_fp8_layer
 from fp8boost.fp8.linear import Fp8Linear
 from fp8boost.fp8.scaling import amax, scale_from_amax
 
@@ -82,12 +83,12 @@ def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size):
     why = None
     if not config.enabled:
         why = "Fp8CommConfig.enabled is False (parameters are not gathered in FP8)"
-    elif isinstance(layer, Fp8Linear) and layer.fp8_config.fwd_dtype != torch.float8_e4m3fn:
+    elif is_fp8_layer(layer) and layer.fp8_config.fwd_dtype != torch.float8_e4m3fn:
         why = f"the layer's forward FP8 format {layer.fp8_config.fwd_dtype} is not e4m3"
-    elif isinstance(layer, Fp8Linear) and layer.amax_group("weight") is not None:
+    elif is_fp8_layer(layer) and layer.amax_group("weight") is not None:
         why = "the weight is tensor-parallel: its scale comes from an amax over the tp group"
     if why is not None:
-        return GatherPlan(False, config.param_dtype, 0, config.power_of_2_scale, why)
+        return GatherPlan(False, config.param_dtype, 0, config.power_of_2_wire_scale, why)
     module = layer if layer is not None else (mods[0] if mods else None)
     return choose_plan(config, len(mods) > 1, module, shape)
 
@@ -114,7 +115,7 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
         plan = _choose(cfg, mods, shape)
         if plan.direct:
             weights.append(DirectWeight(i, mods[0], plan))
-        elif isinstance(mods[0] if mods else None, Fp8Linear) or len(mods) > 1:
+        elif (bool(mods) and is_fp8_layer(mods[0])) or len(mods) > 1:
             # Only weights an Fp8Linear would have consumed are worth a word; biases and
             # plain modules' parameters are expected to take the regular FP8 gather.
             _state.log_once(logger, ("zero-fp8-ag-regular", plan.reason),

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from fp8boost import _state
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy
+from fp8boost.parallel.comm.report import GRAD_REDUCE, CommReport
 
 from .buckets import Collectives, GradReducer, all_gather_params
 from .direct_gather import DirectGather
@@ -261,12 +262,13 @@ GRAD_RS_WHY = ("gradients reduce in their own dtype: FP8 reduce-scatter includin
                "BENCHMARKS.md 4d); pass fp8_reduce_scatter=True for slow links")
 
 
-def _comm_report(fp8_communication: bool, fp8_reduce_scatter: bool, dp_world: int) -> dict:
+def _comm_report(fp8_communication: bool, fp8_reduce_scatter: bool,
+                 dp_world: int) -> CommReport:
     """What ZeRO puts on the wire in FP8, and why not where it does not (logged once)."""
-    report = {"fp8_param_all_gather": fp8_communication and dp_world > 1,
-              "fp8_grad_reduce": fp8_reduce_scatter and dp_world > 1, "why_not": {}}
+    report = CommReport(fp8_param_all_gather=fp8_communication and dp_world > 1,
+                        fp8_grad_reduce=fp8_reduce_scatter and dp_world > 1)
     if fp8_communication and not fp8_reduce_scatter and dp_world > 1:
-        report["why_not"]["grad_reduce"] = GRAD_RS_WHY
+        report.not_fp8(GRAD_REDUCE, GRAD_RS_WHY)
         _state.log_once(logging.getLogger("fp8boost.parallel.zero"), "zero-grad-rs-high",
                         f"fp8boost ZeRO: {GRAD_RS_WHY}")
     return report
