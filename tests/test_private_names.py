@@ -298,11 +298,6 @@ def test_rule_attached_names_belong_to_the_attaching_module():
 
 
 # ------------------------------------------------------------------------------ the codebase
-_LEFT = 1  # update as names become public; 0 = done (then drop the xfail)
-
-
-@pytest.mark.xfail(strict=False, reason=f"issue 24 item 5: {_LEFT} private names are still read "
-                                        "across modules; run python tests/test_private_names.py")
 def test_no_module_reads_another_modules_private_names():
     found = current_violations()
     assert not found, f"{len(found)} cross-module private names:\n" + "\n".join(map(str, found))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import logging
 from typing import NamedTuple
 
@@ -59,7 +60,9 @@ def test_first_pick_tunes_and_writes_file(timer, caplog):
     assert best == B and timer.calls == 4
     assert "tuned now" in caplog.text
     path = _file()
-    assert path.name.startswith("autotune-gemm-cpu-torch") and "triton" in path.name
+    # named after the machine's device ("cpu" here; the GPU model and SM count on a GPU machine)
+    device = re.sub(r"[^A-Za-z0-9._-]+", "_", tuning._device_identity(None))
+    assert path.name.startswith(f"autotune-gemm-{device}-torch") and "triton" in path.name
     data = json.loads(path.read_text())
     assert data == {"format": 1, "entries": {
         "(True, 8192, 4096, torch.float8_e4m3fn, torch.bfloat16, False, 0)":
