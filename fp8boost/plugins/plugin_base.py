@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
 from .distributed import default_device, init_distributed
-from .options import OPTION_NAMES, PluginOptions, check_bool  # noqa: F401 - check_bool: old home
+from .options import OPTION_NAMES, PluginOptions
 from .precision import convert_model, move_and_cast, validate_optimizer, wrap_optimizer
 from .wrappers import DTYPES, ModelWrapper
 
@@ -154,13 +154,6 @@ class Plugin(ABC):
         self.options = PluginOptions(**options)
         self.fp8_report = None  # the last boost's ConversionReport (None without use_fp8)
         self.comm_report: dict = {}  # which collectives the last boost put in FP8, and why not
-
-    def __getattr__(self, name: str):
-        # plugin.precision, plugin.use_fp8, ...: the shared options. (Transitional: plugins not
-        # yet moved to PluginOptions still set these as attributes of their own.)
-        if name in OPTION_NAMES and "options" in self.__dict__:
-            return getattr(self.options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def control_precision(self) -> bool:
         """True when the plugin's own ``precision`` argument decides the training dtype."""
@@ -352,3 +345,14 @@ class Plugin(ABC):
         for opt in (model.boosted_optimizers if isinstance(model, ModelWrapper) else ()):
             opt.sync_master_from_model()
 
+
+def _option_property(name: str) -> property:
+    return property(lambda self: getattr(self.options, name),
+                    doc=f"``options.{name}``, read-only (see ``PluginOptions.{name}``).")
+
+
+# plugin.precision, plugin.use_fp8, ...: every shared option reads plugin.options, so a new
+# PluginOptions field is readable on every plugin too, and never out of step with it.
+for _name in OPTION_NAMES:
+    setattr(Plugin, _name, _option_property(_name))
+del _name

@@ -15,7 +15,6 @@ from torch import nn
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.parallel.zero import DynamicLossScaler, ZeroOptimizer
 
-from .options import check_comm_config, check_fp8_config, check_max_norm, check_precision  # noqa: F401 - transitional
 from .wrappers import DTYPES, OptimizerWrapper, cast_params_
 
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")

@@ -18,8 +18,6 @@ from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPl
 from fp8boost.plugins.options import PluginOptions
 
 PLUGINS = [TorchDDPPlugin, LowLevelZeroPlugin, GeminiPlugin, TorchFSDPPlugin, HybridParallelPlugin]
-#: the plugins already built on PluginOptions and the configure skeleton (the others follow)
-MOVED = [LowLevelZeroPlugin, GeminiPlugin, TorchFSDPPlugin, HybridParallelPlugin]
 
 #: {plugin: (positional (name, default) in order, {keyword-only name: default})} before the move
 BEFORE = {
@@ -79,7 +77,7 @@ def test_signature_is_unchanged(cls):
         list(inspect.signature(cls).parameters)
 
 
-@pytest.mark.parametrize("cls", MOVED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", PLUGINS, ids=lambda c: c.__name__)
 def test_every_shared_option_reaches_every_plugin(cls):
     """A field added to PluginOptions appears in every plugin's signature with its default."""
     params = inspect.signature(cls).parameters
@@ -93,13 +91,15 @@ def test_every_shared_option_reaches_every_plugin(cls):
     assert all(f" {name}: " in shown or f" {name}=" in shown for name in params), shown
 
 
-@pytest.mark.parametrize("cls", MOVED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", PLUGINS, ids=lambda c: c.__name__)
 def test_options_are_one_frozen_validated_object(cls):
     plugin = cls(use_fp8=True, max_norm=1)
     assert isinstance(plugin.options, PluginOptions)
     assert plugin.use_fp8 is True and plugin.max_norm == 1.0 and plugin.options.max_norm == 1.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         plugin.options.use_fp8 = False
+    with pytest.raises(AttributeError):
+        plugin.use_fp8 = False  # read from plugin.options: never out of step with it
     with pytest.raises(TypeError, match="use_fp8 must be True or False"):
         cls(use_fp8=1)
     with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
@@ -137,7 +137,7 @@ def test_positional_arguments_keep_their_order():
         HybridParallelPlugin(2, 1, "fp16", 1, True, None, 1.0, None, True, True, None, True)
 
 
-@pytest.mark.parametrize("cls", MOVED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", PLUGINS, ids=lambda c: c.__name__)
 def test_configure_is_the_one_skeleton(cls):
     """Plugins fill in configure's steps; none rewrites the sequence itself."""
     assert cls.configure is Plugin.configure
