@@ -175,6 +175,9 @@ def takes_plugin_options(positional: tuple[str, ...] = (),
     ``TorchDDPPlugin``) keeps the plugin's default and is the plugin's to pass on; ``without``
     names the options a plugin does not take (their defaults apply).
 
+    ``help()``, ``inspect.signature``, IPython/Jupyter and the docs test see that signature;
+    a static analyser reading the source sees the plugin's own arguments and ``**options``.
+
     Example:
         >>> import inspect
         >>> from fp8boost.plugins import TorchFSDPPlugin
@@ -190,7 +193,8 @@ def takes_plugin_options(positional: tuple[str, ...] = (),
         own.pop("self")
         shared = {n: p for n, p in _option_parameters().items() if n not in own and n not in without}
         every = {**own, **shared}
-        unknown = [n for n in (*positional, *without) if n not in every and n not in OPTION_NAMES]
+        unknown = [n for n in positional if n not in every] + \
+            [n for n in without if n not in OPTION_NAMES]
         if unknown:
             raise TypeError(f"{cls.__name__}: no argument named {unknown}")
         params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
@@ -210,7 +214,7 @@ def takes_plugin_options(positional: tuple[str, ...] = (),
             bound.arguments.pop("self")
             init(self, **bound.arguments)
 
-        __init__.__signature__ = signature  # what help(), inspect and IDE consoles show
+        __init__.__signature__ = signature  # what help() and inspect show
         cls.__init__ = __init__
         return cls
 

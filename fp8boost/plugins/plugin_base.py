@@ -145,6 +145,22 @@ class Plugin(ABC):
     overrides the steps its strategy changes, never the sequence. The defaults fit one model
     replica per rank whose optimizer wrapper implements ``backward``/``no_sync``/
     ``clip_grad_norm_`` and the checkpoint protocol.
+
+    Example (a plugin of its own: one process, every shared option, one step overridden):
+        >>> import torch
+        >>> from fp8boost.plugins import Plugin
+        >>> from fp8boost.plugins.options import takes_plugin_options
+        >>> @takes_plugin_options()
+        ... class OnCpu(Plugin):
+        ...     def __init__(self, **options):
+        ...         super().__init__(**options)
+        ...     def setup_distributed(self, device):
+        ...         return torch.device("cpu")  # no process group
+        >>> plugin = OnCpu(precision="bf16", max_norm=1.0)
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> model, opt, *_ = plugin.configure(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+        >>> model.unwrap().weight.dtype, model.boosted_optimizers == [opt], plugin.max_norm
+        (torch.bfloat16, True, 1.0)
     """
 
     #: precisions this plugin accepts

@@ -141,3 +141,36 @@ def test_positional_arguments_keep_their_order():
 def test_configure_is_the_one_skeleton(cls):
     """Plugins fill in configure's steps; none rewrites the sequence itself."""
     assert cls.configure is Plugin.configure
+
+
+def _broadcast_case(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fp8boost.plugins.distributed import broadcast_module
+
+    def model_of(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        m.register_buffer("fp8_buf", (torch.randn(8) * 4).to(torch.float8_e4m3fn))
+        return m
+
+    # A group whose first rank is not global rank 0: ranks 1 and 2 start from rank 1's model.
+    pair = dist.new_group([1, 2])
+    model = model_of(rank)
+    if rank in (1, 2):
+        broadcast_module(model, pair)
+        want = model_of(1)
+        assert torch.equal(model.weight, want.weight) and torch.equal(model.bias, want.bias)
+        assert torch.equal(model.fp8_buf.view(torch.uint8), want.fp8_buf.view(torch.uint8))
+    broadcast_module(model)  # None: the whole world, from global rank 0
+    want = model_of(0)
+    assert torch.equal(model.weight, want.weight)
+    assert torch.equal(model.fp8_buf.view(torch.uint8), want.fp8_buf.view(torch.uint8))
+
+
+def test_broadcast_module_sends_the_first_ranks_weights_and_fp8_bytes():
+    """The one 'start every replica equal' of the plugins (FP8 tensors as uint8 on gloo)."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_broadcast_case, 3)
