@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
 from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
 from fp8boost.parallel.zero.optimizer import OptimizerProxy
 
@@ -225,14 +226,14 @@ class FsdpPluginBase(Plugin):
         return FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type,
                              make_loss_scaler(self.precision, self.initial_scale,
                                               self.growth_interval),
-                             fp8_scales=bool(self.comm_report["fp8_all_gather"]),
+                             fp8_scales=self.comm_report.fp8_param_all_gather,
                              allow_no_sync=self.allow_no_sync,
                              group=self.topology().submesh("dp").get_group(), comm_device=device)
 
-    def _fp8_all_gather(self, model: nn.Module) -> dict:
-        report = {"fp8_all_gather": [], "fp8_reduce_scatter": False, "why_not": {}}
+    def _fp8_all_gather(self, model: nn.Module) -> CommReport:
+        report = CommReport()
         if not self.fp8_communication:
-            report["why_not"]["all_gather"] = "fp8_communication=False"
+            report.not_fp8(PARAM_ALL_GATHER, "fp8_communication=False")
             return report
         from fp8boost.fp8 import is_fp8_layer
         from fp8boost.parallel.comm.config import Fp8CommConfig
@@ -240,11 +241,12 @@ class FsdpPluginBase(Plugin):
 
         names = enable_fp8_all_gather(model, self.comm_config or Fp8CommConfig(),
                                       lambda mod, fqn: is_fp8_layer(mod))
-        report["fp8_all_gather"] = names
+        report.fp8_all_gather_modules = names
+        report.fp8_param_all_gather = bool(names)
         if not names:
             why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
                    "weights whose consumer is an FP8 GEMM")
-            report["why_not"]["all_gather"] = why
+            report.not_fp8(PARAM_ALL_GATHER, why)
             _state.log_once(logger, ("fsdp-ag", why), f"fp8boost: {why}")
         return report
 
@@ -254,9 +256,9 @@ class FsdpPluginBase(Plugin):
         if self.fp8_reduce_scatter:
             from fp8boost.parallel.fsdp.fp8_all_gather import set_fp8_reduce_scatter
             set_fp8_reduce_scatter(model, self.comm_config)
-            self.comm_report["fp8_reduce_scatter"] = True
+            self.comm_report.fp8_grad_reduce = True
             return
-        self.comm_report["why_not"]["reduce_scatter"] = FP8_RS_REASON
+        self.comm_report.not_fp8(GRAD_REDUCE, FP8_RS_REASON)
         _state.log_once(logger, ("fsdp-rs", "slower"), f"fp8boost: {FP8_RS_REASON}")
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, \
     RandomSampler, SequentialSampler
 
+from fp8boost.parallel.comm.report import CommReport
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
 from .distributed import default_device, init_distributed
@@ -169,7 +170,8 @@ class Plugin(ABC):
     def __init__(self, **options) -> None:
         self.options = PluginOptions(**options)
         self.fp8_report = None  # the last boost's ConversionReport (None without use_fp8)
-        self.comm_report: dict = {}  # which collectives the last boost put in FP8, and why not
+        # which collectives the last boost put in FP8, and why not
+        self.comm_report = CommReport()
 
     def control_precision(self) -> bool:
         """True when the plugin's own ``precision`` argument decides the training dtype."""

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
+
 from .options import check_bool, check_precision, takes_plugin_options
 from .plugin_base import Plugin
 from .precision import MIXED_PRECISIONS
@@ -85,9 +87,14 @@ class TorchDDPPlugin(Plugin):
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   process_group=self.topology().group("dp"), **self.ddp_kwargs)
+        # DDP gathers no parameters: replicas hold them whole.
+        self.comm_report = CommReport(fp8_grad_reduce=self.fp8_communication)
+        self.comm_report.not_fp8(PARAM_ALL_GATHER, "DDP replicates parameters: nothing to gather")
         if self.fp8_communication:
             from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
             register_fp8_comm_hook(ddp, config=self.comm_config)  # averages over DDP's own group
+        else:
+            self.comm_report.not_fp8(GRAD_REDUCE, "fp8_communication=False")
         return ddp
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:

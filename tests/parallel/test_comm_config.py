@@ -75,3 +75,21 @@ def test_comm_report():
         CommReport(why_not={"all_gather": "old FSDP key"})
     assert CommReport().why_not == {} and PARAM_ALL_GATHER == "param_all_gather"
     assert torch.float8_e4m3fn == Fp8CommConfig().param_dtype
+
+
+def test_every_plugin_reports_comm_as_one_type():
+    """DDP (one process) fills the same typed CommReport as ZeRO and FSDP."""
+    import torch
+
+    from fp8boost.booster import Booster
+    from fp8boost.parallel.comm.report import CommReport
+    from fp8boost.plugins import TorchDDPPlugin
+
+    for comm in (True, False):
+        plugin = TorchDDPPlugin(fp8_communication=comm)
+        model = torch.nn.Linear(16, 16)
+        Booster(plugin=plugin, device="cpu").boost(model, torch.optim.SGD(model.parameters(), 0.1))
+        report = plugin.comm_report
+        assert isinstance(report, CommReport)
+        assert report.fp8_grad_reduce is comm and not report.fp8_param_all_gather
+        assert ("grad_reduce" in report.why_not) is not comm

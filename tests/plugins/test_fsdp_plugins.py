@@ -146,12 +146,13 @@ def _check_comm_report(plugin, variant: str) -> None:
 
     report = plugin.comm_report
     if variant in ("fp8c", "fp8rs"):
-        assert len(report["fp8_all_gather"]) == N_LINEAR
+        assert len(report.fp8_all_gather_modules) == N_LINEAR and report.fp8_param_all_gather
     else:
-        assert report["fp8_all_gather"] == [] and "all_gather" in report["why_not"]
-    assert report["fp8_reduce_scatter"] == (variant == "fp8rs")
+        assert report.fp8_all_gather_modules == [] and not report.fp8_param_all_gather
+        assert "param_all_gather" in report.why_not
+    assert report.fp8_grad_reduce == (variant == "fp8rs")
     if variant in ("bf16c", "fp8c"):
-        assert "slower" in report["why_not"]["reduce_scatter"]
+        assert "slower" in report.why_not["grad_reduce"]
         assert _state.was_logged(("fsdp-rs", "slower"))
 
 
