@@ -92,7 +92,7 @@ class Booster:
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler,
                                         device=self.device)
         opt = boosted[1]
-        if self.nonfinite_guard is not None and hasattr(opt, "nonfinite_guard"):
+        if self.nonfinite_guard is not None and opt is not None:  # every BoostedOptimizer has one
             # Over every rank that steps together (the checkpoint group: the whole job).
             opt.nonfinite_guard = self.nonfinite_guard.bind(
                 self.plugin.checkpoint_group, self.plugin.unwrap_model(boosted[0]))

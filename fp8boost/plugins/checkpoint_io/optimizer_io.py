@@ -12,6 +12,8 @@ import os
 import torch
 from safetensors import safe_open
 
+from fp8boost.parallel.boosted_optimizer import ShardedCheckpointState
+
 from . import tensor_files
 from .atomic import require
 from .coordination import agreed_read
@@ -21,7 +23,7 @@ from .tensor_files import cpu_copy, open_checked
 
 def check_optimizer(optimizer) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is one ``booster.boost()`` returned."""
-    if not hasattr(optimizer, "checkpoint_state"):
+    if not isinstance(optimizer, ShardedCheckpointState):
         raise TypeError("save/load the optimizer returned by booster.boost(), not the raw torch "
                         f"optimizer (got {type(optimizer).__name__})")
 
