@@ -21,7 +21,7 @@ they are, the issue-12 "all-gather into an FP8 consumer"). Each fp8 result is ch
 against the bf16 one (max error / max |ref|), and triton against torch (bit-equal outputs).
 
 Writes JSON (device, versions, date, command, world size, results, suggested
-Fp8CommConfig.min_numel) to ``$OUT/comm_<date>.json`` if ``$OUT`` is set, else
+Fp8CommConfig.min_payload_numel) to ``$OUT/comm_<date>.json`` if ``$OUT`` is set, else
 ``bench/results/comm_<date>.json``; rank 0 prints a table.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fp8boost.parallel.comm import collectives as fc  # noqa: E402
+from fp8boost.parallel import fp8_comm as fc  # noqa: E402
+from fp8boost.parallel.comm._utils import all_gather_single, reduce_scatter_single  # noqa: E402
 from fp8boost.parallel.comm.config import Fp8CommConfig  # noqa: E402
 from fp8boost.parallel.comm.wire import dequantize_rows, quantize_rows, segment_bytes  # noqa: E402
 
@@ -133,13 +134,13 @@ def _variants(op: str, n: int, ws: int, rank: int, device, impls) -> dict[str, C
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     rnd = lambda k: torch.randn(k, generator=g, device=device).to(torch.bfloat16)  # noqa: E731
     v: dict[str, Callable] = {}
-    cfgs = {i: Fp8CommConfig(min_numel=0, cast_impl=i) for i in impls}
+    cfgs = {i: Fp8CommConfig(min_payload_numel=0, cast_impl=i) for i in impls}
     u8 = lambda k: torch.empty(k, dtype=torch.uint8, device=device)  # noqa: E731
     if op == "all_gather":
         shard, out = rnd(n // ws), torch.empty(n, dtype=torch.bfloat16, device=device)
         send, recv = u8(segment_bytes(n // ws)), u8(ws * segment_bytes(n // ws))
-        v["bf16"] = lambda: fc._all_gather_single(out, shard, None, False) or out
-        v["wire-u8"] = lambda: fc._all_gather_single(recv, send, None, False)
+        v["bf16"] = lambda: all_gather_single(out, shard, None, False) or out
+        v["wire-u8"] = lambda: all_gather_single(recv, send, None, False)
         for i, cfg in cfgs.items():
             v[f"fp8:{i}"] = lambda cfg=cfg: fc.all_gather_fp8(shard, config=cfg)
             v[f"fp8-pipelined:{i}"] = lambda cfg=cfg: fc.all_gather_fp8(
@@ -155,7 +156,7 @@ def _variants(op: str, n: int, ws: int, rank: int, device, impls) -> dict[str, C
         seg = segment_bytes(n // ws)
         send, recv = u8((ws - 1) * seg), u8((ws - 1) * seg)
         splits = [0 if j == rank else seg for j in range(ws)]
-        v["bf16"] = lambda: fc._reduce_scatter_single(out, full, None, False) or out
+        v["bf16"] = lambda: reduce_scatter_single(out, full, None, False) or out
         v["wire-u8"] = lambda: dist.all_to_all_single(recv, send, splits, splits)
         for i, cfg in cfgs.items():
             v[f"fp8:{i}"] = lambda cfg=cfg: fc.reduce_scatter_fp8(full, config=cfg)
@@ -203,7 +204,7 @@ def _gather_for_fp8_consumer(shard: torch.Tensor, send: torch.Tensor, recv: torc
     n = shard.numel()
     quantize_rows(shard.view(1, n), send.view(1, -1), torch.float8_e4m3fn, power_of_2=True,
                   impl=impl)
-    fc._all_gather_single(recv, send, None, False)
+    all_gather_single(recv, send, None, False)
     return recv
 
 
@@ -326,7 +327,7 @@ def main(argv=None) -> dict:
               "suggested": suggest_min_numel(results)}
     if dist.get_rank() == 0:
         print_table(results)
-        print("suggested Fp8CommConfig.min_numel:", json.dumps(report["suggested"]))
+        print("suggested Fp8CommConfig.min_payload_numel:", json.dumps(report["suggested"]))
         stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
         path = args.out or os.path.join(
             os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),

@@ -333,7 +333,7 @@ def _check_fused_row_quantize(fc, tri):
     """Triton impl, one stage: each quantize is ``wire_triton.quantize_rows`` (2 launches: row
     amax partials, then scale + cast + trailer), with no separate scale math; its bytes,
     trailers included, equal the torch path's (exact values, an all-zero row, pow2 or not)."""
-    from fp8boost.parallel.comm import collectives, wire, wire_triton
+    from fp8boost.parallel.comm import pipeline, wire, wire_triton
 
     for dt in (E4M3, E5M2):
         x = torch.stack([_exact_fp8_values(r, 5000, dt, seed=13) for r in range(3)])
@@ -346,7 +346,7 @@ def _check_fused_row_quantize(fc, tri):
             wire.quantize_rows(x, b, dt, power_of_2=pow2, impl="torch")
             assert torch.equal(a, b), (dt, pow2)
     calls = []
-    real_q, real_s = wire_triton.quantize_rows, collectives.stage_scales
+    real_q, real_s = wire_triton.quantize_rows, pipeline.stage_scales
 
     def count(*a, **k):
         calls.append(a[0].shape)
@@ -355,7 +355,7 @@ def _check_fused_row_quantize(fc, tri):
     def no_scale_math(*a, **k):
         raise AssertionError("separate scale math on the fused path")
 
-    wire_triton.quantize_rows, collectives.stage_scales = count, no_scale_math
+    wire_triton.quantize_rows, pipeline.stage_scales = count, no_scale_math
     try:
         ws = dist.get_world_size()
         fc.all_gather_fp8(_exact_fp8_values(0, 300, E4M3, 3), config=tri)
@@ -363,7 +363,7 @@ def _check_fused_row_quantize(fc, tri):
         fc.reduce_scatter_fp8(_exact_fp8_values(0, 300 * ws, E5M2, 4), config=tri)
         assert 2 <= len(calls) <= 3, calls  # the other ranks' chunks: rows before/after own
     finally:
-        wire_triton.quantize_rows, collectives.stage_scales = real_q, real_s
+        wire_triton.quantize_rows, pipeline.stage_scales = real_q, real_s
 
 
 def _check_bench_smoke():
@@ -395,7 +395,7 @@ def test_fp8_collectives_4_ranks():
 
 def test_fallback_logging_names_the_reason(caplog):
     """The once-only fallback message is emitted through logging, naming the reason."""
-    from fp8boost.parallel.comm import collectives as fc
+    from fp8boost.parallel.comm import _utils as fc
     from fp8boost.parallel.comm.config import Fp8CommConfig
     from fp8boost import _state
     _state.forget_logged(("fp8_comm", "unit", "small"))
