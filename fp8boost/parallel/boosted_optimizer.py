@@ -5,15 +5,18 @@ Every plugin wraps the user's torch optimizer in one of three classes:
 * ``ZeroOptimizer`` (:mod:`fp8boost.parallel.zero`): FP32 master weights, optionally sharded
   over data-parallel ranks (ZeRO-1/2); also the single-process master-weight optimizer;
 * ``OptimizerWrapper`` (:mod:`fp8boost.plugins.wrappers`): no master weights (FP32 training);
-* ``FsdpOptimizer`` (:mod:`fp8boost.plugins.fsdp_plugin_base`): over FSDP2's sharded FP32
+* ``FsdpOptimizer`` (:mod:`fp8boost.parallel.fsdp.optimizer`): over FSDP2's sharded FP32
   parameters.
 
 :class:`BoostedOptimizer` is what the Booster, the plugins and the checkpoint IO may call on
 any of them; :class:`ShardedCheckpointState` is the extra surface of the wrappers saved by the
 safetensors checkpoint formats (``ZeroOptimizer`` and ``OptimizerWrapper``; FSDP goes through
 DCP instead). :class:`OptimizerProxy` is their common base: the ``torch.optim`` surface of the
-wrapped optimizer plus the defaults of the members that mean nothing for some wrappers, so a
-caller never needs ``hasattr`` to find out which wrapper it holds.
+wrapped optimizer, the shared ``backward`` (non-finite guard, fp16 loss scaling) and the
+defaults of the members that mean nothing for some wrappers, so a caller never needs
+``hasattr`` to find out which wrapper it holds. :class:`DirectOptimizerProxy` adds what the two
+wrappers without master copies share (``OptimizerWrapper``, ``FsdpOptimizer``): the non-finite
+guard's verdict on the parameters' own gradients.
 
 This module sits at the bottom of ``parallel/`` and imports nothing from it at run time, so
 every wrapper (``parallel/zero`` and ``plugins/`` alike) can import it.
@@ -29,7 +32,7 @@ if TYPE_CHECKING:  # annotations only: importing zero/ here would be circular
     from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
     from fp8boost.parallel.zero.sharding import ParamShard
 
-__all__ = ["BoostedOptimizer", "ShardedCheckpointState", "OptimizerProxy"]
+__all__ = ["BoostedOptimizer", "ShardedCheckpointState", "OptimizerProxy", "DirectOptimizerProxy"]
 
 
 @runtime_checkable
@@ -129,9 +132,44 @@ class OptimizerProxy:
     def defaults(self) -> dict:
         return self.optim.defaults
 
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()``, after the non-finite guard has seen the loss and scaled by the
+        fp16 loss scaler (if any)."""
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.observe_loss(loss)
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        loss.backward(retain_graph=retain_graph)
+
     def exact_working_params(self) -> dict[int, torch.Tensor]:
         """None of the working parameters is a lossy copy: nothing to substitute."""
         return {}
 
     def sync_master_from_model(self) -> None:
         """No state derived from the parameters: nothing to refresh after a load."""
+
+
+class DirectOptimizerProxy(OptimizerProxy):
+    """An :class:`OptimizerProxy` whose wrapped optimizer steps ``params`` themselves (their own
+    ``.grad``, no master copies): ``OptimizerWrapper`` and ``FsdpOptimizer``. Adds the
+    non-finite guard's verdict on those gradients, taken once per step."""
+
+    params: list[torch.Tensor]
+    _skip_step: Optional[bool] = None  # this step's guard verdict (None: not checked yet)
+
+    def guard_skips_step(self) -> bool:
+        """Whether the non-finite guard skips this step (the same verdict on every rank).
+
+        The gradients are checked once per step, at the first call; False without a guard, and
+        with fp16 loss scaling, whose overflow check decides instead.
+        """
+        if self.nonfinite_guard is None or self.loss_scaler is not None:
+            return False
+        if self._skip_step is None:
+            self._skip_step = self.nonfinite_guard.check([p.grad for p in self.params],
+                                                         self.params)
+        return self._skip_step
+
+    def forget_guard_verdict(self) -> None:
+        """End of the step: the next :meth:`guard_skips_step` checks the next gradients."""
+        self._skip_step = None

@@ -6,19 +6,15 @@ in ``precision`` through ``MixedPrecisionPolicy``; gradients reduce-scatter in F
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-from typing import ContextManager, Iterator, Optional
+from typing import ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
 from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
-from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
-from fp8boost.parallel.zero.optimizer import OptimizerProxy
+from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
 
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
@@ -32,136 +28,6 @@ logger = logging.getLogger("fp8boost.plugins")
 FP8_RS_REASON = ("FP8 reduce-scatter measured slower than FP32/BF16 on 2xH200 NVLink at every "
                  "size up to 256 MB (0.11x at 16 MB, 0.52x at 256 MB; casts included), so "
                  "gradients reduce-scatter in FP32; pass fp8_reduce_scatter=True for slow links")
-
-
-class FsdpOptimizer(OptimizerProxy):
-    """The user's optimizer over FSDP2's sharded FP32 parameters, plus backward/clipping/no_sync.
-
-    Args:
-        optimizer: the user's torch optimizer, already rebuilt on the sharded parameters.
-        model: the sharded model (for ``no_sync`` and FP8 all-gather scales).
-        max_norm, norm_type: clip the global gradient norm in ``step`` (0: off).
-        loss_scaler: dynamic loss scaling (fp16), or None.
-        fp8_scales: refresh the FP8 all-gather scales of every weight in one all-reduce after
-            each step (``fp8_communication``).
-        allow_no_sync: whether ``no_sync`` may skip the reduce-scatter (GeminiPlugin:
-            ``enable_gradient_accumulation``).
-        group: the shard (dp) process group, over which fp16 overflow checks agree; None for
-            a single process.
-        comm_device: where the overflow flag is all-reduced (the mesh's device: under CPU
-            offload the gradients live on the CPU, but NCCL needs a CUDA tensor).
-
-    Example:
-        >>> from fp8boost.booster import Booster                               # doctest: +SKIP
-        >>> from fp8boost.plugins import GeminiPlugin                          # doctest: +SKIP
-        >>> booster = Booster(plugin=GeminiPlugin(max_norm=1.0))               # doctest: +SKIP
-        >>> opt = torch.optim.AdamW(model.parameters())                        # doctest: +SKIP
-        >>> model, opt, *_ = booster.boost(model, opt)                         # doctest: +SKIP
-        >>> opt.backward(model(**batch).loss); opt.step(); opt.zero_grad()     # doctest: +SKIP
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0,
-                 norm_type: float = 2.0, loss_scaler: Optional[DynamicLossScaler] = None,
-                 fp8_scales: bool = False, allow_no_sync: bool = True, group=None,
-                 comm_device: Optional[torch.device] = None) -> None:
-        self.optim = optimizer
-        self.model = model
-        self.group = group  # the shard (dp) group: overflow checks agree across it
-        self.comm_device = comm_device
-        self.max_norm, self.norm_type = float(max_norm), float(norm_type)
-        self.loss_scaler = loss_scaler
-        self.fp8_scales = fp8_scales
-        self.allow_no_sync = allow_no_sync
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._unscaled = False  # this step's gradients are unscaled already (fp16)
-        self._found_inf = False
-
-    def __repr__(self) -> str:
-        return f"FsdpOptimizer({self.optim!r}, max_norm={self.max_norm})"
-
-    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
-    nonfinite_guard = None
-    _skip_step: Optional[bool] = None  # this step's guard verdict (checked once per step)
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        if self.nonfinite_guard is not None:
-            self.nonfinite_guard.observe_loss(loss)
-        if self.loss_scaler is not None:
-            loss = loss * self.loss_scaler.scale
-        loss.backward(retain_graph=retain_graph)
-
-    def _guard_skips(self) -> bool:
-        """The non-finite guard's verdict on this step (fp16: the loss scaler decides)."""
-        if self.nonfinite_guard is None or self.loss_scaler is not None:
-            return False
-        if self._skip_step is None:
-            self._skip_step = self.nonfinite_guard.check([p.grad for p in self.params],
-                                                         self.params)
-        return self._skip_step
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no reduce-scatter) inside the block."""
-        if not self.allow_no_sync:
-            raise ValueError("gradient accumulation with no_sync needs "
-                             "GeminiPlugin(enable_gradient_accumulation=True)")
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def _unscale(self) -> bool:
-        """Unscale fp16 gradients once per step; True when every rank's gradients are finite."""
-        if self.loss_scaler is None:
-            return True
-        if self._unscaled:  # clip_grad_norm_ ran first: keep its verdict
-            return not self._found_inf
-        grads = self._grads()
-        inv = 1.0 / self.loss_scaler.scale
-        device = self.comm_device or self.params[0].device
-        bad = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local = g._local_tensor if hasattr(g, "_local_tensor") else g
-            local.mul_(inv)
-            bad = torch.maximum(bad, (~torch.isfinite(local)).any().float().to(device))
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        self._unscaled = True
-        self._found_inf = bool(bad.item())
-        return not self._found_inf
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm over all shards (DTensor gradients); returns the norm before."""
-        if not self._unscale() or self._guard_skips():
-            return torch.tensor(math.inf)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def step(self, closure=None) -> None:
-        ok = self._unscale()
-        if self._guard_skips():  # the same verdict on every rank: nobody steps
-            self.optim.zero_grad(set_to_none=True)
-            ok = False
-        self._skip_step = None
-        if ok:
-            if self.max_norm > 0:
-                self.clip_grad_norm_(self.max_norm, self.norm_type)
-            self.optim.step(closure)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(not ok)
-        self._unscaled = False
-        if self.fp8_scales:
-            from fp8boost.parallel.fsdp.fp8_all_gather import precompute_fp8_all_gather_scales
-            precompute_fp8_all_gather_scales(self.model)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none=set_to_none)
-        self._unscaled = False
-        self._skip_step = None
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],

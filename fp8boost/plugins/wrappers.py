@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fp8boost.parallel.boosted_optimizer import BoostedOptimizer, OptimizerProxy
+from fp8boost.parallel.boosted_optimizer import BoostedOptimizer, DirectOptimizerProxy
 from fp8boost.parallel.zero.sharding import ParamShard, make_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -91,7 +91,7 @@ class ModelWrapper(nn.Module):
             return getattr(self.unwrap(), name)
 
 
-class OptimizerWrapper(OptimizerProxy):
+class OptimizerWrapper(DirectOptimizerProxy):
     """A torch optimizer plus ``backward``/clipping and the checkpoint protocol (no sharding).
 
     Args:
@@ -107,43 +107,28 @@ class OptimizerWrapper(OptimizerProxy):
     def __repr__(self) -> str:
         return f"OptimizerWrapper({self.optim!r}, max_norm={self.max_norm})"
 
-    #: set by ``Booster.boost``: skips steps with a NaN/Inf loss or gradient (``parallel/nonfinite``)
-    nonfinite_guard = None
-    _skip_step: Optional[bool] = None  # this step's guard verdict (checked once per step)
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        if self.nonfinite_guard is not None:
-            self.nonfinite_guard.observe_loss(loss)
-        loss.backward(retain_graph=retain_graph)
+    # backward: OptimizerProxy's (the non-finite guard sees the loss; no loss scaler here)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield  # gradient sync (if any) belongs to the model wrapper (DDP)
 
-    def _guard_skips(self) -> bool:
-        if self.nonfinite_guard is None:
-            return False
-        if self._skip_step is None:
-            self._skip_step = self.nonfinite_guard.check([p.grad for p in self.params],
-                                                         self.params)
-        return self._skip_step
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        if self._guard_skips():
+        if self.guard_skips_step():
             return torch.tensor(float("inf"))
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
 
     def step(self, closure=None):
-        if self._guard_skips():  # the same verdict on every rank: nobody steps
+        if self.guard_skips_step():  # the same verdict on every rank: nobody steps
             self.zero_grad()
             return None
-        self._skip_step = None
+        self.forget_guard_verdict()
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
         return self.optim.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._skip_step = None
+        self.forget_guard_verdict()
         self.optim.zero_grad(set_to_none=set_to_none)
 
     # checkpoint protocol (see plugins/checkpoint_io/formats.py): one replica holds everything

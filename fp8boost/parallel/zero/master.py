@@ -131,11 +131,7 @@ class MasterWeightOptimizer(OptimizerProxy):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``loss.backward()`` with loss scaling, then finish this backward's gradient reduction."""
-        if self.nonfinite_guard is not None:
-            self.nonfinite_guard.observe_loss(loss)
-        if self.loss_scaler is not None:
-            loss = loss * self.loss_scaler.scale
-        loss.backward(retain_graph=retain_graph)
+        super().backward(loss, retain_graph)
         self._after_backward()
 
     @contextlib.contextmanager
