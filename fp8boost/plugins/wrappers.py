@@ -122,10 +122,11 @@ class OptimizerWrapper(DirectOptimizerProxy):
         if self.guard_skips_step():  # the same verdict on every rank: nobody steps
             self.zero_grad()
             return None
-        self.forget_guard_verdict()
-        if self.max_norm > 0:
+        if self.max_norm > 0:  # reads this step's verdict: the gradients are checked once
             self.clip_grad_norm_(self.max_norm)
-        return self.optim.step(closure)
+        out = self.optim.step(closure)
+        self.forget_guard_verdict()
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.forget_guard_verdict()

@@ -115,11 +115,11 @@ class FsdpOptimizer(DirectOptimizerProxy):
         if self.guard_skips_step():  # the same verdict on every rank: nobody steps
             self.optim.zero_grad(set_to_none=True)
             ok = False
-        self.forget_guard_verdict()
         if ok:
-            if self.max_norm > 0:
+            if self.max_norm > 0:  # reads this step's verdict: the gradients are checked once
                 self.clip_grad_norm_(self.max_norm, self.norm_type)
             self.optim.step(closure)
+        self.forget_guard_verdict()
         if self.loss_scaler is not None:
             self.loss_scaler.update(not ok)
         self._unscaled = False
