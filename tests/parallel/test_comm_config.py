@@ -85,11 +85,18 @@ def test_every_plugin_reports_comm_as_one_type():
     from fp8boost.parallel.comm.report import CommReport
     from fp8boost.plugins import TorchDDPPlugin
 
-    for comm in (True, False):
-        plugin = TorchDDPPlugin(fp8_communication=comm)
-        model = torch.nn.Linear(16, 16)
-        Booster(plugin=plugin, device="cpu").boost(model, torch.optim.SGD(model.parameters(), 0.1))
-        report = plugin.comm_report
-        assert isinstance(report, CommReport)
-        assert report.fp8_grad_reduce is comm and not report.fp8_param_all_gather
-        assert ("grad_reduce" in report.why_not) is not comm
+    import torch.distributed as dist
+
+    try:
+        for comm in (True, False):
+            plugin = TorchDDPPlugin(fp8_communication=comm)
+            model = torch.nn.Linear(16, 16)
+            Booster(plugin=plugin, device="cpu").boost(model,
+                                                      torch.optim.SGD(model.parameters(), 0.1))
+            report = plugin.comm_report
+            assert isinstance(report, CommReport)
+            assert report.fp8_grad_reduce is comm and not report.fp8_param_all_gather
+            assert ("grad_reduce" in report.why_not) is not comm
+    finally:  # boost started a one-process group: later tests check that none is left
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -31,6 +31,15 @@ def _boost(kind: str, guard: NonFiniteGuard):
     return booster, model, opt
 
 
+@pytest.fixture(autouse=True)
+def _no_group_left():
+    """TorchFSDPPlugin starts a one-process group: later tests check that none is left."""
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("kind", ["fp32", "fsdp"])
 def test_guard_checks_once_per_step_with_clipping(kind):
     guard = NonFiniteGuard(max_consecutive=2)
