@@ -33,6 +33,22 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class _StderrHandler(_stdlib_logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (a stream kept from creation
+    goes stale when a test runner or notebook swaps ``sys.stderr``)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # noqa: ANN201 - logging's attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001 - StreamHandler.__init__ assigns it
+        pass
+
+
 class DistributedLogger:
     """A named logger whose calls take ``ranks`` (the ranks that log; None: all).
 
@@ -54,7 +70,7 @@ class DistributedLogger:
         self._name = name
         self._logger = _stdlib_logging.getLogger(name)
         if not self._logger.handlers:  # once per name: a second handler would print twice
-            handler = _stdlib_logging.StreamHandler(sys.stderr)
+            handler = _StderrHandler()
             handler.setFormatter(_stdlib_logging.Formatter(
                 f"[%(asctime)s] %(levelname)s {name}: %(message)s", "%X"))
             self._logger.addHandler(handler)

@@ -1,0 +1,102 @@
+"""DistCoordinator, get_dist_logger and launch_from_torch in one process (no torchrun).
+
+launch_from_torch forms fp8boost's one-process gloo group here; the fixture destroys it so
+no later test finds a group it did not start.
+"""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fp8boost.colossal as colossalai
+from fp8boost.colossal.cluster import DistCoordinator
+from fp8boost.colossal.logging import get_dist_logger
+
+
+@pytest.fixture
+def group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_coordinator_needs_the_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="launch_from_torch"):
+        DistCoordinator()
+
+
+def test_launch_from_torch_forms_group_seeds_and_coordinator_answers(group, capsys):
+    colossalai.launch_from_torch(seed=42, config={})  # old config argument: ignored
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert dist.get_backend() == "gloo"  # Colossal-AI's default "nccl" without CUDA
+    a = (torch.rand(3), random.random())
+    colossalai.launch_from_torch(seed=42)  # the group exists: seeds again only
+    assert torch.equal(a[0], torch.rand(3)) and a[1] == random.random()
+
+    c = DistCoordinator()
+    assert (c.rank, c.world_size, c.local_rank) == (0, 1, 0)
+    assert c.is_master() and c.is_node_master() and c.is_last_process()
+    c.print_on_master("from master")
+    c.print_on_node_master("from node master")
+    c.block_all()
+    order = []
+    with c.priority_execution():
+        order.append("ran")
+    assert order == ["ran"]
+
+    @c.on_master_only()
+    def answer():
+        return 42
+
+    assert answer() == 42
+    out = capsys.readouterr().out
+    assert "from master" in out and "from node master" in out
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_dist_logger_filters_by_rank(group, capsys):
+    logger = get_dist_logger()
+    assert logger is get_dist_logger("colossalai")
+    seen = _Records()
+    logger.logger.addHandler(seen)
+    try:
+        logger.info("everyone")          # ranks=None: every rank
+        logger.info("rank zero", ranks=[0])
+        logger.warning("not me", ranks=[1])
+        logger.error("bad", ranks=[0])
+        assert [r.getMessage() for r in seen.records] == ["everyone", "rank zero", "bad"]
+        assert seen.records[0].filename == "test_runtime.py"  # the caller, not the logger
+        assert "INFO colossalai: rank zero" in capsys.readouterr().err
+        with pytest.raises(ValueError):
+            logger.set_level("LOUD")
+    finally:
+        logger.logger.removeHandler(seen)
+
+
+def test_dist_logger_writes_rank_files(tmp_path):
+    logger = get_dist_logger("colossal-test-file")
+    logger.log_to_file(tmp_path, suffix="x")
+    logger.info("to the file")
+    for h in logger.logger.handlers:
+        h.flush()
+    assert "to the file" in (tmp_path / "rank_0_x.log").read_text()
+    for h in list(logger.logger.handlers):
+        if isinstance(h, logging.FileHandler):
+            logger.logger.removeHandler(h)
+            h.close()
