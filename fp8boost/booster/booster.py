@@ -1,6 +1,7 @@
 """Booster: the one object a training script talks to. It holds a Plugin and delegates."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import ContextManager, Optional, Union
 
@@ -162,45 +163,114 @@ class Booster:
     # ------------------------------------------------------------------------- checkpoints
     # Every save/load is delegated to the plugin's CheckpointIO: only the plugin knows how its
     # model and optimizer are laid out across ranks.
-    def save_model(self, model: nn.Module, path: str, shard: bool = True,
-                   size_per_shard_mb: float = 1024) -> None:
-        """Save the model's weights as a safetensors directory ``from_pretrained`` can load.
+    def save_model(self, model: nn.Module, checkpoint: Optional[str] = None, shard: bool = True,
+                   gather_dtensor: bool = True, prefix: Optional[str] = None,
+                   size_per_shard: Optional[float] = None,
+                   use_safetensors: Optional[bool] = None, use_async: bool = False, *,
+                   path: Optional[str] = None, size_per_shard_mb: Optional[float] = None) -> None:
+        """Save the model's weights: a safetensors directory ``from_pretrained`` can load, or
+        one file.
 
         Every plugin writes the same HF layout, gathering sharded parameters one at a time
-        (never the whole model on one rank). Collective: call it on every rank.
+        (never the whole model on one rank). Collective: call it on every rank. Takes
+        Colossal-AI's ``Booster.save_model`` arguments (see docs/PLUGINS.md, "Checkpoints").
 
         Args:
             model: the boosted model (or the raw one).
-            path: target directory; replaced atomically if it holds an older checkpoint.
-            shard: write ``model-0000x-of-0000y.safetensors`` + index (else one ``model.safetensors``).
-            size_per_shard_mb: maximum shard size in MiB.
+            checkpoint: target (``path=`` is accepted too). A directory, replaced atomically
+                if it holds an older checkpoint, except with ``shard=False`` and a file name
+                (ending in ``.safetensors``, ``.bin``, ``.pt``, ``.pth``, ``.ckpt``, or an
+                existing file): then ONE safetensors state-dict file at ``checkpoint``, as
+                Colossal-AI writes (no ``config.json``; ``load_model`` reads it back).
+            shard: write ``model-0000x-of-0000y.safetensors`` + index (default, unlike
+                Colossal-AI's ``shard=False``: the folder ``from_pretrained`` loads); False:
+                one ``model.safetensors`` (in the directory, or the file above).
+            size_per_shard / size_per_shard_mb: maximum shard size in MiB (Colossal-AI's /
+                fp8boost's name; default 1024).
+            use_safetensors: fp8boost always writes safetensors; False (Colossal-AI's default,
+                a torch pickle there) still writes safetensors, said once at INFO.
+            gather_dtensor, prefix, use_async: accepted for Colossal-AI scripts; weights are
+                always gathered, file names are HF's and the write is synchronous (a non-default
+                value is said once at INFO).
         """
-        self.plugin.get_checkpoint_io().save_model(model, os.fspath(path), shard, size_per_shard_mb)
+        path = _one_path(checkpoint, path, "save_model")
+        size = _shard_size(size_per_shard, size_per_shard_mb)
+        _info_ignored("save_model", gather_dtensor=(gather_dtensor, True), prefix=(prefix, None),
+                      use_async=(use_async, False))
+        if use_safetensors is False:
+            _log_info("use_safetensors", "fp8boost: save_model(use_safetensors=False): model "
+                      "checkpoints are always safetensors files (load_model reads them)")
+        io = self.plugin.get_checkpoint_io()
+        from fp8boost.plugins.checkpoint_io.single_file import is_file_target, save_model_file
+        if not shard and is_file_target(path):
+            if not isinstance(size, (int, float)) or size <= 0:
+                raise ValueError(f"size_per_shard_mb must be > 0, got {size!r}")
+            save_model_file(io, model, path)
+            return
+        io.save_model(model, path, shard, size)
 
-    def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
-        """Load weights saved by ``save_model`` (or HF ``save_pretrained``) into the boosted model.
+    def load_model(self, model: nn.Module, checkpoint: Optional[str] = None, strict: bool = True,
+                   low_cpu_mem_mode: bool = True, num_threads: int = 1, *,
+                   path: Optional[str] = None) -> None:
+        """Load weights saved by ``save_model`` (a directory, or the one file of
+        ``shard=False``; or HF ``save_pretrained``'s folder) into the boosted model.
 
         Sharded plugins read only each rank's part. Load the model before the optimizer: loading
         model weights re-derives master weights, and ``load_optimizer`` then restores the exact
-        FP32 masters.
+        FP32 masters. ``checkpoint`` may also be passed as ``path=``; ``low_cpu_mem_mode`` and
+        ``num_threads`` (Colossal-AI's) change nothing here (files are read tensor by tensor).
         """
-        self.plugin.get_checkpoint_io().load_model(model, os.fspath(path), strict)
+        path = _one_path(checkpoint, path, "load_model")
+        _info_ignored("load_model", low_cpu_mem_mode=(low_cpu_mem_mode, True),
+                      num_threads=(num_threads, 1))
+        io = self.plugin.get_checkpoint_io()
+        if os.path.isfile(path):
+            from fp8boost.plugins.checkpoint_io.single_file import load_model_file
+            load_model_file(io, model, path, strict)
+            return
+        io.load_model(model, path, strict)
 
-    def save_optimizer(self, optimizer, path: str) -> None:
-        """Save optimizer state (sharded per rank; reloadable into any world size)."""
-        self.plugin.get_checkpoint_io().save_optimizer(optimizer, os.fspath(path))
+    def save_optimizer(self, optimizer, checkpoint: Optional[str] = None, shard: bool = False,
+                       gather_dtensor: bool = True, prefix: Optional[str] = None,
+                       size_per_shard: float = 1024, use_async: bool = False, *,
+                       path: Optional[str] = None) -> None:
+        """Save optimizer state into the directory ``checkpoint`` (or ``path=``): one file per
+        rank that holds a shard, reloadable into any world size.
 
-    def load_optimizer(self, optimizer, path: str) -> None:
-        """Load optimizer state saved by ``save_optimizer`` with any world size."""
-        self.plugin.get_checkpoint_io().load_optimizer(optimizer, os.fspath(path))
+        Colossal-AI's arguments are accepted: ``shard`` True or False gives this same
+        per-rank directory (the format is always sharded); ``gather_dtensor``, ``prefix``,
+        ``size_per_shard``, ``use_async`` change nothing here (said once at INFO when not
+        their default).
+        """
+        path = _one_path(checkpoint, path, "save_optimizer")
+        check_bool_arg("shard", shard)
+        _info_ignored("save_optimizer", gather_dtensor=(gather_dtensor, True),
+                      prefix=(prefix, None), size_per_shard=(size_per_shard, 1024),
+                      use_async=(use_async, False))
+        self.plugin.get_checkpoint_io().save_optimizer(optimizer, path)
 
-    def save_lr_scheduler(self, lr_scheduler, path: str) -> None:
-        """Save ``lr_scheduler.state_dict()`` to the file ``path`` (atomically, rank 0 writes)."""
-        self.plugin.get_checkpoint_io().save_lr_scheduler(lr_scheduler, os.fspath(path))
+    def load_optimizer(self, optimizer, checkpoint: Optional[str] = None,
+                       low_cpu_mem_mode: bool = True, num_threads: int = 1, *,
+                       path: Optional[str] = None) -> None:
+        """Load optimizer state saved by ``save_optimizer`` with any world size
+        (``checkpoint`` or ``path=``; ``low_cpu_mem_mode``/``num_threads`` change nothing)."""
+        path = _one_path(checkpoint, path, "load_optimizer")
+        _info_ignored("load_optimizer", low_cpu_mem_mode=(low_cpu_mem_mode, True),
+                      num_threads=(num_threads, 1))
+        self.plugin.get_checkpoint_io().load_optimizer(optimizer, path)
 
-    def load_lr_scheduler(self, lr_scheduler, path: str) -> None:
+    def save_lr_scheduler(self, lr_scheduler, checkpoint: Optional[str] = None, *,
+                          path: Optional[str] = None) -> None:
+        """Save ``lr_scheduler.state_dict()`` to the file ``checkpoint`` (or ``path=``;
+        atomically, rank 0 writes)."""
+        path = _one_path(checkpoint, path, "save_lr_scheduler")
+        self.plugin.get_checkpoint_io().save_lr_scheduler(lr_scheduler, path)
+
+    def load_lr_scheduler(self, lr_scheduler, checkpoint: Optional[str] = None, *,
+                          path: Optional[str] = None) -> None:
         """Load a scheduler state saved by ``save_lr_scheduler``."""
-        self.plugin.get_checkpoint_io().load_lr_scheduler(lr_scheduler, os.fspath(path))
+        path = _one_path(checkpoint, path, "load_lr_scheduler")
+        self.plugin.get_checkpoint_io().load_lr_scheduler(lr_scheduler, path)
 
     def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
                         extra: Optional[dict] = None) -> None:
@@ -224,3 +294,48 @@ class Booster:
         """Restore a directory written by ``save_checkpoint``; returns its ``extra`` dict."""
         return self.plugin.get_checkpoint_io().load_checkpoint(os.fspath(path), model, optimizer,
                                                                lr_scheduler)
+
+
+# ------------------------------------------------------------- Colossal-AI argument names
+_logger = logging.getLogger("fp8boost.booster")
+
+
+def _one_path(checkpoint, path, method: str) -> str:
+    """``checkpoint`` (Colossal-AI's name) or ``path`` (fp8boost's), exactly one of them."""
+    if checkpoint is not None and path is not None:
+        raise TypeError(f"{method}() got both checkpoint= and path= (the same argument): "
+                        "pass one")
+    if checkpoint is None and path is None:
+        raise TypeError(f"{method}() missing the checkpoint path (checkpoint=...)")
+    return os.fspath(checkpoint if checkpoint is not None else path)
+
+
+def _shard_size(size_per_shard, size_per_shard_mb):
+    """Maximum shard size in MiB from Colossal-AI's ``size_per_shard`` or ``size_per_shard_mb``."""
+    if size_per_shard is not None and size_per_shard_mb is not None \
+            and size_per_shard != size_per_shard_mb:
+        raise TypeError("save_model() got size_per_shard and size_per_shard_mb with different "
+                        "values (both are MiB): pass one")
+    size = size_per_shard if size_per_shard is not None else size_per_shard_mb
+    return 1024 if size is None else size
+
+
+def check_bool_arg(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _log_info(key: str, message: str) -> None:
+    from fp8boost import _state
+    _state.log_once(_logger, ("booster-colossal-arg", key), message, level=logging.INFO)
+
+
+def _info_ignored(method: str, **args) -> None:
+    """Say once (INFO) which Colossal-AI arguments were given a value that changes nothing."""
+    for name, (value, default) in args.items():
+        if name in ("gather_dtensor", "use_async", "low_cpu_mem_mode"):
+            check_bool_arg(name, value)
+        if value != default:
+            _log_info(f"{method}.{name}", f"fp8boost: {method}({name}={value!r}) changes "
+                      "nothing here (accepted for Colossal-AI scripts; see docs/PLUGINS.md, "
+                      "Checkpoints)")

@@ -148,6 +148,29 @@ class HybridParallelPlugin(Plugin):
         self.input_guard = None  # ReplicaInputGuard, set by boost when a replica spans ranks
         self.tp_within_node = True
 
+    _stage_manager = None
+
+    @property
+    def stage_manager(self):
+        """Colossal-AI's ``plugin.stage_manager``: None when ``pp_size == 1``, else a
+        ``fp8boost.parallel.pipeline.stage_manager.PipelineStageManager`` for this rank
+        (``is_first_stage()``, ``is_last_stage()``, ``num_stages``, ``stage``).
+
+        Colossal-AI builds it in ``__init__`` (its launch comes first); here it is built on
+        first access from the (dp, pp, tp) rank layout, so it can be read before ``boost``
+        too (that first access initialises the process group from the launcher's
+        environment if it is not yet, as ``plugin.dp_rank`` does)."""
+        if self.pp_size == 1:
+            return None
+        if self._stage_manager is None:
+            import torch.distributed as dist
+
+            from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
+            dims = self.dims
+            self._stage_manager = PipelineStageManager(
+                dims, dist.get_rank(), self.pipeline.num_model_chunks, self.pipeline.pp_style)
+        return self._stage_manager
+
     def _check_sp(self, enabled: bool, mode: Optional[str]) -> Optional[str]:
         if not enabled:
             if mode is not None:

@@ -322,22 +322,45 @@ class Plugin(ABC):
                                   "HybridParallelPlugin(pp_size > 1, ...) for execute_pipeline")
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False,
-                           seed: int = 1024, drop_last: bool = False, **kwargs) -> DataLoader:
+                           seed: int = 1024, drop_last: bool = False, pin_memory: bool = False,
+                           num_workers: int = 0, distributed_sampler_cls=None,
+                           **kwargs) -> DataLoader:
         """A DataLoader over this data-parallel rank's part of ``dataset`` (``batch_size`` per rank).
 
-        Its sampler is a ``DistributedSampler(num_replicas=dp_size, rank=dp_rank, seed=seed)``
-        at every dp size, 1 included (see ``shard_dataloader``): ranks that share a dp index
-        (the tp/pp ranks of one replica) read the same batches, and the shuffle is the same in
-        every process. With ``shuffle=True`` call ``loader.sampler.set_epoch(epoch)`` each
-        epoch (without it every epoch repeats the first one's order).
+        Colossal-AI's signature. Its sampler is a ``DistributedSampler(num_replicas=dp_size,
+        rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)`` at every dp size, 1
+        included (see ``shard_dataloader``): ranks that share a dp index (the tp/pp ranks of
+        one replica) read the same batches, and the shuffle is the same in every process. With
+        ``shuffle=True`` call ``loader.sampler.set_epoch(epoch)`` each epoch (without it every
+        epoch repeats the first one's order).
+
+        Args:
+            distributed_sampler_cls: a ``DistributedSampler`` subclass (e.g. Colossal-AI's
+                ``StatefulDistributedSampler``) built with those same arguments instead of
+                ``DistributedSampler``; None: ``DistributedSampler``.
+            pin_memory, num_workers, **kwargs: passed to the ``DataLoader``.
 
         Example:
             >>> from fp8boost.plugins import TorchDDPPlugin
             >>> loader = TorchDDPPlugin().prepare_dataloader(list(range(100)), batch_size=4)  # doctest: +SKIP
         """
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
-                            drop_last=drop_last, **kwargs)
-        return shard_dataloader(loader, self.dp_size, self.dp_rank, seed)
+        if distributed_sampler_cls is None:
+            loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
+                                drop_last=drop_last, pin_memory=pin_memory,
+                                num_workers=num_workers, **kwargs)
+            return shard_dataloader(loader, self.dp_size, self.dp_rank, seed)
+        if not (isinstance(distributed_sampler_cls, type)
+                and issubclass(distributed_sampler_cls, DistributedSampler)):
+            raise TypeError("distributed_sampler_cls must be a torch DistributedSampler subclass "
+                            f"(built with num_replicas, rank, shuffle, seed, drop_last), got "
+                            f"{distributed_sampler_cls!r}")
+        if "sampler" in kwargs or "batch_sampler" in kwargs:
+            raise ValueError("pass either distributed_sampler_cls or sampler/batch_sampler, "
+                             "not both")
+        sampler = distributed_sampler_cls(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
+                                          shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                          pin_memory=pin_memory, num_workers=num_workers, **kwargs)
 
     # --------------------------------------------------------------------- checkpoint IO
     def get_checkpoint_io(self):

@@ -1,0 +1,79 @@
+"""One-file model checkpoints (Colossal-AI's ``save_model(..., shard=False)``), for every plugin.
+
+Colossal-AI writes an unsharded model as one plain state-dict file at ``checkpoint``. Every
+fp8boost ``CheckpointIO`` writes directories (HF layout, swapped in atomically and
+checksummed); here the plugin's own unsharded export is written into a hidden temp directory
+next to the file, and its ``model.safetensors`` renamed onto ``checkpoint`` (``os.replace``:
+a save that dies midway leaves the previous file intact). The file is a safetensors state
+dict (tied weights saved once); it has no checksum record beside it (safetensors still names
+a truncated file on load) and no ``config.json`` (HF ``from_pretrained`` wants a directory:
+save with ``shard=True`` or to a directory path for that).
+
+Loading a file links it, as ``model.safetensors``, into a per-process temp directory and
+loads that with the plugin's own ``load_model`` (each rank reads only its part, as for
+directories).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Optional
+
+from torch import nn
+
+from . import coordination as coord
+from .formats import MODEL_SINGLE
+
+#: names that ``Booster.save_model(..., shard=False)`` writes as one file (other paths get a
+#: directory holding ``model.safetensors``)
+FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def is_file_target(path: str) -> bool:
+    """Whether an unsharded model save to ``path`` writes one file there (see ``Booster``)."""
+    return os.path.isfile(path) or (not os.path.isdir(path)
+                                    and path.lower().endswith(FILE_SUFFIXES))
+
+
+def save_model_file(io, model: nn.Module, path: str) -> None:
+    """Write ``model``'s unsharded state dict as one safetensors file at ``path``.
+    Collective over ``io.group`` (every rank calls it)."""
+    path = os.path.abspath(path)
+    group = io.group
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    tmp, err = None, None
+    if coord.rank(group) == 0:
+        if os.path.isdir(path):
+            err = f"{path} is a directory; an unsharded model checkpoint is one file"
+        else:
+            tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp, err = coord.broadcast_object((tmp, err), group)
+    if err is not None:
+        raise ValueError(err)
+    try:
+        io.save_model(model, tmp, False, 1024)  # atomic, agreed on every rank
+        failure: Optional[BaseException] = None
+        if coord.rank(group) == 0:
+            try:
+                os.replace(os.path.join(tmp, MODEL_SINGLE), path)
+            except OSError as exc:
+                failure = exc
+        coord.raise_if_failed(path, failure, group)
+    finally:
+        if coord.rank(group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    coord.barrier(group)
+
+
+def load_model_file(io, model: nn.Module, path: str, strict: bool = True) -> None:
+    """Load a one-file safetensors state dict (``save_model_file``'s, or any plain one) with
+    the plugin's own ``load_model``."""
+    path = os.path.abspath(path)
+    tmp = tempfile.mkdtemp(prefix=f"fp8boost-load-{os.path.basename(path)}-")
+    try:
+        os.symlink(path, os.path.join(tmp, MODEL_SINGLE))
+        io.load_model(model, tmp, strict)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
