@@ -108,3 +108,15 @@ def test_cosine_annealing_warmup_lr_rejects_bad_steps():
         CosineAnnealingWarmupLR(opt, total_steps=5, warmup_steps=5)
     with pytest.raises(ValueError, match="warmup_steps"):
         CosineAnnealingWarmupLR(opt, total_steps=5, warmup_steps=-1)
+
+
+def test_hybrid_adam_fused_choice_moves_existing_steps():
+    """When a group turns fused, step counters made on the CPU (foreach steps, a checkpoint
+    loaded before the first step) move beside their parameters as float32, as torch's fused
+    kernel needs. The test machine has no CUDA: a meta-device parameter stands in for it."""
+    p = torch.nn.Parameter(torch.empty(3, device="meta"))
+    opt = HybridAdam([p], lr=0.1)
+    opt.state[p]["step"] = torch.tensor(5.0, dtype=torch.float64)  # on the CPU
+    opt._steps_beside_params(opt.param_groups[0])
+    step = opt.state[p]["step"]
+    assert step.device.type == "meta" and step.dtype == torch.float32

@@ -87,7 +87,19 @@ class HybridAdam(torch.optim.AdamW):
             for group in self.param_groups:
                 fused = _fusable(group["params"])
                 group["fused"], group["foreach"] = fused, not fused
+                if fused:
+                    self._steps_beside_params(group)
         return super().step(closure)
+
+    def _steps_beside_params(self, group: dict) -> None:
+        # torch keeps `step` on the CPU for foreach and on the parameter's device (float32)
+        # for fused; a state made before the switch (steps taken on the CPU, or a checkpoint
+        # loaded before the first step) would otherwise mix devices in the fused kernel.
+        for p in group["params"]:
+            state = self.state.get(p)
+            step = state.get("step") if state else None
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def _fusable(params: Iterable[torch.Tensor]) -> bool:
