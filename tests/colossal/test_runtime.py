@@ -20,7 +20,8 @@ from fp8boost.colossal.logging import get_dist_logger
 @pytest.fixture
 def group(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so teardown restores what launch() sets
+        monkeypatch.delenv(var)
     assert not dist.is_initialized()
     yield
     if dist.is_initialized():
@@ -68,6 +69,37 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def test_launch_takes_explicit_rendezvous_and_old_positional_config(group, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    colossalai.launch(rank=0, world_size=1, host="127.0.0.1", port=port, seed=7,
+                      verbose=False)
+    assert dist.get_world_size() == 1 and dist.get_rank() == 0
+    first = torch.rand(2)
+    colossalai.launch_from_torch({"old": "config"}, seed=7)  # Colossal-AI < 0.4: config first
+    assert torch.equal(first, torch.rand(2))
+    assert "config argument of older Colossal-AI versions is ignored" in capsys.readouterr().err
+
+
+def test_accelerator_choice():
+    from fp8boost.colossal.accelerator import (CpuAccelerator, get_accelerator,
+                                               set_accelerator)
+
+    assert get_accelerator() is get_accelerator()
+    set_accelerator(CpuAccelerator())
+    acc = get_accelerator()
+    assert acc.get_current_device() == torch.device("cpu") and acc.device_count() == 1
+    assert acc.max_memory_allocated() == 0
+    acc.synchronize(); acc.empty_cache(); acc.manual_seed(1)
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        set_accelerator("tpu")
+    with pytest.raises(TypeError):
+        set_accelerator(3)
 
 
 def test_dist_logger_filters_by_rank(group, capsys):
