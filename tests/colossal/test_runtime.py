@@ -132,3 +132,27 @@ def test_dist_logger_writes_rank_files(tmp_path):
         if isinstance(h, logging.FileHandler):
             logger.logger.removeHandler(h)
             h.close()
+
+
+@pytest.mark.parametrize("plugin_name", ["TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin",
+                                         "TorchFSDPPlugin"])
+def test_plugins_take_hybrid_adam_as_a_torch_optimizer(group, plugin_name):
+    """One process: each plugin boosts HybridAdam (DTensor parameters under Gemini/FSDP
+    take the foreach path) and the loss of a fixed batch falls over 3 steps."""
+    from fp8boost.colossal.booster import Booster
+    from fp8boost.colossal.booster import plugin as plugins
+    from fp8boost.colossal.nn.optimizer import HybridAdam
+
+    colossalai.launch_from_torch(seed=0, verbose=False)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    booster = Booster(plugin=getattr(plugins, plugin_name)())
+    model, optimizer, *_ = booster.boost(model, HybridAdam(model.parameters(), lr=1e-2))
+    x = torch.randn(8, 16)
+    losses = []
+    for _ in range(3):
+        loss = model(x).float().square().mean()
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
