@@ -12,6 +12,8 @@
 ``dcp``      ``DTensorCheckpointIO`` for FSDP2/DTensor models (Gemini, TorchFSDP, hybrid):
              HF export gathered one parameter at a time, sharded resumable state through
              ``torch.distributed.checkpoint``, HF loads that read only each rank's part.
+``single_file``  one-file model checkpoints (``Booster.save_model(..., shard=False)`` to a
+             file name, as Colossal-AI writes them) through any plugin's own export and load;
 ``resume``   ``latest_checkpoint``: the newest complete checkpoint of a folder (auto-resume).
 ``hybrid``   ``HybridCheckpointIO`` for ``HybridParallelPlugin`` (tp-split plain tensors x
              ZeRO): HF export gathered over tp a parameter at a time, tp-sliced HF loads,
