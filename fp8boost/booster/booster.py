@@ -333,7 +333,11 @@ def _log_info(key: str, message: str) -> None:
 def _info_ignored(method: str, **args) -> None:
     """Say once (INFO) which Colossal-AI arguments were given a value that changes nothing."""
     for name, (value, default) in args.items():
-        if name in ("gather_dtensor", "use_async", "low_cpu_mem_mode"):
+        if name == "gather_dtensor" and not isinstance(value, bool):
+            raise TypeError(f"gather_dtensor must be True or False, got {value!r} (the 4th "
+                            "positional argument of save_model is Colossal-AI's gather_dtensor; "
+                            "pass the shard size as size_per_shard=... or size_per_shard_mb=...)")
+        if name in ("use_async", "low_cpu_mem_mode"):
             check_bool_arg(name, value)
         if value != default:
             _log_info(f"{method}.{name}", f"fp8boost: {method}({name}={value!r}) changes "

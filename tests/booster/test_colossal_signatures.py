@@ -78,6 +78,15 @@ def test_unsharded_save_is_one_file_and_round_trips(tmp_path):
         assert _same_weights(m1, m2)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["model.pt", "model.safetensors",
                                                      "weights.bin"]
+    bad = tmp_path / "ckpt" / "weights.bin"
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated: the error names the user's file
+    with pytest.raises(Exception, match=str(bad)) as info:
+        b1.load_model(m1, str(bad))
+    assert "fp8boost-load" not in str(info.value)
+    other = H.make_mlp(0)
+    other[0] = torch.nn.Linear(32, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        Booster(device="cpu").load_model(other, str(tmp_path / "ckpt" / "model.pt"))
     from safetensors.torch import load_file
     sd = load_file(str(tmp_path / "ckpt" / "model.safetensors"))  # a plain state dict file
     assert set(sd) == set(m1.unwrap().state_dict())
@@ -113,7 +122,7 @@ def test_stage_manager_none_at_pp1():
     assert HybridParallelPlugin(tp_size=1, pp_size=1).stage_manager is None
 
 
-def _stage_manager(rank, world):
+def _stage_manager(rank, world, tmp):
     from tests.plugins.pipeline_cases import tiny_model
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2, precision="fp32")
     before = plugin.stage_manager  # readable before boost, as in Colossal-AI
@@ -124,15 +133,27 @@ def _stage_manager(rank, world):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     out = booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), wrapped,
                                    optimizer=opt, return_outputs=True)
-    return dict(same=sm is before, stage=sm.stage, num_stages=sm.num_stages,
+    # one-file unsharded save through the pipeline's checkpoint IO, and back
+    target = os.path.join(tmp, "pp_model.safetensors")
+    booster.save_model(wrapped, target, shard=False)
+    fresh = tiny_model(2, seed=3)
+    b2 = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, precision="fp32"),
+                 device="cpu")
+    w2, *_ = b2.boost(fresh)
+    b2.load_model(w2, target)
+    mine = plugin.unwrap_model(wrapped).state_dict()
+    got = b2.plugin.unwrap_model(w2).state_dict()
+    assert mine.keys() == got.keys() and all(torch.equal(mine[k], got[k]) for k in mine)
+    return dict(same=sm is before, file=sorted(os.listdir(tmp)), stage=sm.stage, num_stages=sm.num_stages,
                 first=sm.is_first_stage(), last=sm.is_last_stage(),
                 pp_rank=plugin.pp_state.rank, has_outputs=out["outputs"] is not None,
                 prev=sm.prev_rank, next=sm.next_rank)
 
 
-def test_stage_manager_two_ranks():
-    res = run_distributed(_stage_manager, 2, timeout=60)
+def test_stage_manager_two_ranks(tmp_path):
+    res = run_distributed(_stage_manager, 2, str(tmp_path), timeout=60)
     for r, got in enumerate(res):
+        assert got["file"] == ["pp_model.safetensors"]
         assert got["same"] and got["stage"] == r == got["pp_rank"] and got["num_stages"] == 2
         assert got["first"] == (r == 0) and got["last"] == (r == 1)
         assert got["has_outputs"] == got["last"]

@@ -74,6 +74,16 @@ def load_model_file(io, model: nn.Module, path: str, strict: bool = True) -> Non
     tmp = tempfile.mkdtemp(prefix=f"fp8boost-load-{os.path.basename(path)}-")
     try:
         os.symlink(path, os.path.join(tmp, MODEL_SINGLE))
-        io.load_model(model, tmp, strict)
+        try:
+            io.load_model(model, tmp, strict)
+        except Exception as exc:  # name the user's file, not the temp link
+            if tmp not in str(exc):
+                raise
+            try:
+                renamed = type(exc)(str(exc).replace(os.path.join(tmp, MODEL_SINGLE), path)
+                                    .replace(tmp, path))
+            except Exception:  # noqa: BLE001 - an exception type with another signature
+                raise exc from None
+            raise renamed from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
