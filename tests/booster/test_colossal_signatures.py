@@ -78,6 +78,14 @@ def test_unsharded_save_is_one_file_and_round_trips(tmp_path):
         assert _same_weights(m1, m2)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["model.pt", "model.safetensors",
                                                      "weights.bin"]
+    # a torch.save state dict (Colossal-AI's use_safetensors=False file) loads too
+    torch.save(m1.unwrap().state_dict(), tmp_path / "colossal.pt")
+    b3, m3, _ = _boosted(2)
+    b3.load_model(m3, str(tmp_path / "colossal.pt"))
+    assert _same_weights(m1, m3)
+    torch.save({"step": torch.tensor(1), "nested": {"a": 1}}, tmp_path / "notsd.pt")
+    with pytest.raises(ValueError, match="not a model state dict"):
+        b3.load_model(m3, str(tmp_path / "notsd.pt"))
     bad = tmp_path / "ckpt" / "weights.bin"
     bad.write_bytes(bad.read_bytes()[:100])  # truncated: the error names the user's file
     with pytest.raises(Exception, match=str(bad)) as info:

@@ -11,7 +11,9 @@ save with ``shard=True`` or to a directory path for that).
 
 Loading a file links it, as ``model.safetensors``, into a per-process temp directory and
 loads that with the plugin's own ``load_model`` (each rank reads only its part, as for
-directories).
+directories). A ``torch.save`` state dict (what Colossal-AI writes with its default
+``use_safetensors=False``) is read too: each process loads it (``weights_only=True``) and
+writes it as safetensors into that temp directory first (a full copy per process, on disk).
 """
 from __future__ import annotations
 
@@ -73,7 +75,10 @@ def load_model_file(io, model: nn.Module, path: str, strict: bool = True) -> Non
     path = os.path.abspath(path)
     tmp = tempfile.mkdtemp(prefix=f"fp8boost-load-{os.path.basename(path)}-")
     try:
-        os.symlink(path, os.path.join(tmp, MODEL_SINGLE))
+        if _is_torch_pickle(path):  # Colossal-AI's use_safetensors=False file
+            _pickle_to_safetensors(path, os.path.join(tmp, MODEL_SINGLE))
+        else:
+            os.symlink(path, os.path.join(tmp, MODEL_SINGLE))
         try:
             io.load_model(model, tmp, strict)
         except Exception as exc:  # name the user's file, not the temp link
@@ -87,3 +92,30 @@ def load_model_file(io, model: nn.Module, path: str, strict: bool = True) -> Non
             raise renamed from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_torch_pickle(path: str) -> bool:
+    """``torch.save``'s zip format (safetensors files start with a little-endian length)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def _pickle_to_safetensors(src: str, dst: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    sd = torch.load(src, map_location="cpu", weights_only=True)
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict) and len(sd) == 1:
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{src} is a torch.save file but not a model state dict (a dict of "
+                         "tensors): load_model reads state dicts and safetensors checkpoints")
+    seen: set = set()
+    out = {}
+    for k, t in sd.items():  # tied weights: once, as save_model writes them
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[k] = t.detach().contiguous().clone()
+    save_file(out, dst, metadata={"format": "pt"})
