@@ -5,6 +5,7 @@ import logging
 
 from fp8boost import _state
 
+from .colossal_args import gemini_args
 from .fsdp_plugin_base import FsdpPluginBase
 from .options import check_bool, takes_plugin_options
 
@@ -48,6 +49,12 @@ class GeminiPlugin(FsdpPluginBase):
         fp8_reduce_scatter: reduce-scatter gradients as FP8 (e5m2, per-chunk scales) too.
         fp8_config: FP8 recipe for ``use_fp8``. comm_config: ``Fp8CommConfig``.
         initial_scale, growth_interval: fp16 dynamic loss scaling.
+        shard_param_frac, placement_policy, max_prefetch, enable_async_reduce,
+            warmup_non_model_data_ratio, enable_fused_normalization, enable_flash_attention,
+            tp_size, extra_dp_size: Colossal-AI's arguments, taken so its scripts run
+            (``colossal_args.gemini_args``): ``shard_param_frac`` must be 1.0 (every parameter
+            sharded), ``tp_size``/``extra_dp_size`` > 1 raise (use ``HybridParallelPlugin``);
+            the others tune Colossal-AI internals and log once what fp8boost does instead.
 
     Example:
         >>> from fp8boost.booster import Booster
@@ -58,7 +65,18 @@ class GeminiPlugin(FsdpPluginBase):
 
     def __init__(self, norm_type: float = 2.0, *, offload_optim_frac: float = 0.0,
                  offload_param_frac: float = 0.0, enable_gradient_accumulation: bool = False,
-                 reshard_after_forward: bool = True, **options) -> None:
+                 reshard_after_forward: bool = True, shard_param_frac: float = 1.0,
+                 placement_policy: str = "static", max_prefetch: int = 0,
+                 enable_async_reduce: bool = True, warmup_non_model_data_ratio: float = 0.8,
+                 enable_fused_normalization: bool = False, enable_flash_attention: bool = False,
+                 tp_size: int = 1, extra_dp_size: int = 1, **options) -> None:
+        # Colossal-AI's own arguments: checked (and mapped) before anything else.
+        gemini_args(shard_param_frac=shard_param_frac, placement_policy=placement_policy,
+                    max_prefetch=max_prefetch, enable_async_reduce=enable_async_reduce,
+                    warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+                    enable_fused_normalization=enable_fused_normalization,
+                    enable_flash_attention=enable_flash_attention, tp_size=tp_size,
+                    extra_dp_size=extra_dp_size)
         super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type <= 0:
             raise ValueError(f"norm_type must be a number > 0 (2.0: L2), got {norm_type!r}")

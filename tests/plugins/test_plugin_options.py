@@ -37,7 +37,12 @@ BEFORE = {
         {"offload_optim_frac": 0.0, "offload_param_frac": 0.0,
          "enable_gradient_accumulation": False, "reshard_after_forward": True, "use_fp8": False,
          "fp8_communication": False, "fp8_reduce_scatter": False, "fp8_config": None,
-         "comm_config": None, "initial_scale": 65536.0, "growth_interval": 1000}),
+         "comm_config": None, "initial_scale": 65536.0, "growth_interval": 1000,
+         # Colossal-AI's arguments (issue 25), keyword-only, added at the end
+         "shard_param_frac": 1.0, "placement_policy": "static", "max_prefetch": 0,
+         "enable_async_reduce": True, "warmup_non_model_data_ratio": 0.8,
+         "enable_fused_normalization": False, "enable_flash_attention": False, "tp_size": 1,
+         "extra_dp_size": 1}),
     "TorchFSDPPlugin": (
         (("precision", "bf16"), ("max_norm", 0.0)),
         {"reshard_after_forward": True, "cpu_offload": False, "use_fp8": False,
