@@ -25,7 +25,7 @@ from torch import nn
 
 from .atomic import require
 from .formats import MODEL_INDEX, MODEL_SINGLE
-from .model_io import dedup_state_dict, plan_shards, storage_key
+from .model_io import check_keys, dedup_state_dict, plan_shards, storage_key
 
 _ST_DTYPES = MappingProxyType({
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -301,16 +301,7 @@ def _check_keys(own: dict[str, torch.Tensor], shapes: dict[str, tuple], director
     if meta:
         raise RuntimeError(f"cannot load {directory} into tensors on the meta device "
                            f"{meta[:5]}: materialise the model first (to_empty)")
-    unexpected = [k for k in shapes if k not in own]
-    wrong = [f"{k}: {shapes[k]} vs {tuple(own[k].shape)}" for k in shapes
-             if k in own and shapes[k] != tuple(own[k].shape)]
-    # A key missing from the files is fine when the model ties it to a loaded tensor.
-    loaded = {_identity(own[k]) for k in shapes if k in own}
-    missing = [k for k in own if k not in shapes and _identity(own[k]) not in loaded]
-    if wrong or (strict and (missing or unexpected)):
-        raise RuntimeError(f"checkpoint {directory} does not match the model: shape mismatches "
-                           f"{wrong[:5]}, missing keys {missing[:10]}, unexpected keys "
-                           f"{unexpected[:10]} (strict=False allows missing/unexpected keys)")
+    check_keys(own, shapes, directory, strict, identity=_identity)
 
 
 def _read_local(handle, key: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:

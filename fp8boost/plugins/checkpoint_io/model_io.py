@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 from safetensors import safe_open
@@ -82,6 +82,23 @@ def storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
 
 
+def check_keys(own: dict[str, torch.Tensor], shapes: dict[str, tuple], directory: str,
+               strict: bool, identity: Callable[[torch.Tensor], Hashable] = storage_key) -> None:
+    """Raise RuntimeError unless the checkpoint's ``{key: shape}`` fits the model's state dict
+    ``own``: shapes must match; with ``strict``, no key may be missing or unexpected. A key
+    missing from the files is fine when the model ties it to a loaded tensor (same
+    ``identity``: storage by default)."""
+    unexpected = [k for k in shapes if k not in own]
+    wrong = [f"{k}: {shapes[k]} vs {tuple(own[k].shape)}" for k in shapes
+             if k in own and shapes[k] != tuple(own[k].shape)]
+    loaded = {identity(own[k]) for k in shapes if k in own}
+    missing = [k for k in own if k not in shapes and identity(own[k]) not in loaded]
+    if wrong or (strict and (missing or unexpected)):
+        raise RuntimeError(f"checkpoint {directory} does not match the model: shape mismatches "
+                           f"{wrong[:5]}, missing keys {missing[:10]}, unexpected keys "
+                           f"{unexpected[:10]} (strict=False allows missing/unexpected keys)")
+
+
 def read_model(model: nn.Module, directory: str, strict: bool = True) -> None:
     """Load a directory written by ``write_model`` (or by HF ``save_pretrained``).
 
@@ -99,16 +116,7 @@ def read_model(model: nn.Module, directory: str, strict: bool = True) -> None:
     for fname in files:
         with open_checked(os.path.join(directory, fname), lambda p: safe_open(p, "pt")) as f:
             shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    unexpected = [k for k in shapes if k not in own]
-    wrong = [f"{k}: {shapes[k]} vs {tuple(own[k].shape)}" for k in shapes
-             if k in own and shapes[k] != tuple(own[k].shape)]
-    # A key missing from the files is fine when the model ties it to a loaded tensor.
-    tied = {storage_key(own[k]) for k in shapes if k in own}
-    missing = [k for k in own if k not in shapes and storage_key(own[k]) not in tied]
-    if wrong or (strict and (missing or unexpected)):
-        raise RuntimeError(f"checkpoint {directory} does not match the model: shape mismatches "
-                           f"{wrong[:5]}, missing keys {missing[:10]}, unexpected keys "
-                           f"{unexpected[:10]} (strict=False allows missing/unexpected keys)")
+    check_keys(own, shapes, directory, strict)
     for fname in files:
         part = open_checked(os.path.join(directory, fname), load_file)
         model.load_state_dict({k: v for k, v in part.items() if k in own}, strict=False)
