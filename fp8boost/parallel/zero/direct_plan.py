@@ -40,6 +40,7 @@ from torch import nn
 from fp8boost import _state
 from fp8boost.fp8.convert import is_fp8_layer
 from fp8boost.fp8.linear import Fp8Linear
+from fp8boost.fp8.recompute import compiling
 from fp8boost.fp8.scaling import amax, scale_from_amax
 
 from fp8boost.parallel.comm._utils import resolve_cast_impl
@@ -224,7 +225,7 @@ def _rehand_hook(w: DirectWeight):
         # Compiled layers never check the key (they use a set operand as is): nothing to do.
         # Tested first, so dynamo reads nothing of ``w`` (a guard on its version and step
         # count would recompile the layer at every step).
-        if _compiling() or w.handed is None:
+        if compiling() or w.handed is None:
             return
         epoch = _state.step_epoch()
         if w.handed[2] == epoch:
@@ -236,10 +237,6 @@ def _rehand_hook(w: DirectWeight):
         layer.set_prequantized_weight(w.buffer, w.inv_scale)
         w.handed = (w.handed[0], w.handed[1], epoch)
     return hook
-
-
-def _compiling() -> bool:
-    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
 
 
 def _amaxes(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
