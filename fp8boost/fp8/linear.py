@@ -60,17 +60,13 @@ def invalidate_weight_caches(model: nn.Module) -> None:
 
 
 def weights_loaded(model: nn.Module) -> None:
-    """Tell every FP8 layer of ``model`` that its weights and buffers were written in place by a
-    loader that bypasses ``load_state_dict`` (e.g. a sharded reader copying into parameters):
-    cached casts and prequantized operands are dropped, and a delayed-scaling layer whose amax
-    history now holds values keeps it instead of re-seeding it from its next input (exact
-    resume), as ``load_state_dict`` does."""
+    """Tell every FP8 layer of ``model`` that a loader bypassing ``load_state_dict`` (a sharded
+    reader copying into parameters) wrote its weights and buffers in place: as after
+    ``load_state_dict``, cached casts are dropped and loaded amax histories kept (exact resume)."""
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):
-            mod._w_cache = None
-            mod._pre_w = None
-            for i, role in enumerate(_ROLES if mod._delayed else ()):
-                mod._delayed[role].initialized = bool(mod.fp8_amax_history[i].any())
+            mod._weights_loaded([bool(h.any()) for h in mod.fp8_amax_history]
+                                if mod._delayed else None)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -237,11 +233,16 @@ class Fp8Linear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self._delayed and prefix + "fp8_amax_history" in state_dict:
-            for state in self._delayed.values():
-                state.initialized = True
-        self._w_cache = None
-        self._pre_w = None  # a prequantized operand describes the weight before this load
+        loaded = self._delayed and prefix + "fp8_amax_history" in state_dict
+        self._weights_loaded([True] * len(_ROLES) if loaded else None)
+
+    def _weights_loaded(self, initialized: Optional[list[bool]]) -> None:
+        """After a load: cached casts and a prequantized operand describe the old weight;
+        ``initialized`` (delayed scaling, per role): whether its history now holds a loaded one
+        (kept, not re-seeded from the next input). None leaves the states as they are."""
+        self._w_cache = self._pre_w = None
+        for role, init in zip(_ROLES, initialized or ()):
+            self._delayed[role].initialized = init
 
     @property
     def prequantized_weight(self) -> Optional[PrequantizedWeight]:
