@@ -18,23 +18,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
-SCRIPT = EXAMPLES / "train_llama.py"
-SHORT = ["--seq-len", "16", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1",
-         "--no-progress", "--eval-batches", "1"]
+from tests.examples.example_env import ROOT, SCRIPT, SHORT, example_modules
 
 
 @pytest.fixture(scope="module")
 def ex():
     """The example's modules, imported the way the script imports them."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import checkpointing
-        import train_llama
+    with example_modules("checkpointing", "train_llama") as (checkpointing, train_llama):
         yield type("Ex", (), dict(checkpointing=checkpointing, train=train_llama))
-    finally:
-        sys.path.remove(str(EXAMPLES))
 
 
 def _launch(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

@@ -9,26 +9,17 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
-SCRIPT = EXAMPLES / "train_llama.py"
-SHORT = ["--seq-len", "16", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1",
-         "--no-progress", "--eval-batches", "1"]
+from tests.examples.example_env import ROOT, SCRIPT, SHORT, example_modules
 
 
 @pytest.fixture(scope="module")
 def tl():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import train_llama
+    with example_modules("train_llama") as (train_llama,):
         yield train_llama
-    finally:
-        sys.path.remove(str(EXAMPLES))
 
 
 def _run(cmd: list[str], threads: int) -> str:
