@@ -18,7 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("accelerator", "booster", "cluster", "initialize", "logging", "nn", "utils")
+_SUBMODULES = ("accelerator", "booster", "cluster", "initialize", "lazy", "logging", "nn",
+               "utils")
 _INITIALIZE = ("launch", "launch_from_torch")
 
 __all__ = [*_INITIALIZE, *_SUBMODULES]

@@ -65,6 +65,46 @@ def check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler) -> N
                                      "model; build it from model.parameters()")
 
 
+def check_meta(model: nn.Module) -> None:
+    """Raise (before any collective) if ``model`` is partly on the meta device in a way that
+    cannot be materialized (see ``wiring.check_meta_model``); nothing for a real model."""
+    from fp8boost.parallel.fsdp import wiring
+
+    if wiring.on_meta(model):
+        wiring.check_meta_model(model)
+
+
+def materialize_replica(model: nn.Module, optimizer, device: torch.device) -> None:
+    """Allocate a whole meta-device model on ``device`` and run its own initialisation, in place.
+
+    The plugins that keep a full replica per rank call it in ``build_model`` (the FSDP plugins
+    materialize only their shards instead). Parameters get the model's own init (HF
+    ``_init_weights``, else ``reset_parameters``) drawn from a seed taken from the global RNG,
+    so ranks seeded alike agree (and ``parallelize`` broadcasts rank 0's replica anyway);
+    meta buffers are rebuilt as construction makes them (rotary ``inv_freq``); tied parameters
+    stay tied. ``optimizer``'s param groups are pointed at the new parameters. Nothing happens
+    for a real model.
+    """
+    from fp8boost.parallel.fsdp import wiring
+
+    if not wiring.on_meta(model):
+        return
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    aliases: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    wiring.materialize(model, device)
+    for first, *others in (a for a in aliases.values() if len(a) > 1):
+        tied = model.get_parameter(first)  # to_empty gave each alias its own tensor: re-tie
+        for name in others:
+            mod_name, _, pname = name.rpartition(".")
+            setattr(model.get_submodule(mod_name), pname, tied)
+    if optimizer is not None:
+        new = dict(model.named_parameters(remove_duplicate=False))
+        for group in optimizer.param_groups:
+            group["params"] = [new[names[id(p)]] for p in group["params"]]
+
+
 def _plain_sampler(dataloader: DataLoader) -> bool:
     """True for the samplers ``DataLoader(shuffle=...)`` builds itself, on a map-style dataset
     with ``batch_size`` batching: what ``shard_dataloader`` converts at any world size."""
@@ -194,6 +234,7 @@ class Plugin(ABC):
         ``bind_checkpoint_io``; then the model is wrapped and the dataloader sharded over dp.
         """
         check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
+        check_meta(model)  # a meta-device (lazily built) model: fit to materialize?
         self.validate(model, optimizer)
         device = self.setup_distributed(device)
         self.build_model(model, optimizer, device)
@@ -222,7 +263,9 @@ class Plugin(ABC):
 
     def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
         """Step 3: put the user's model on ``device`` in the working ``precision``, in place
-        (a plugin that builds, materializes or splits the model does it here)."""
+        (a plugin that builds, materializes or splits the model does it here). A model on the
+        meta device (``LazyInitContext``) is materialized first (:func:`materialize_replica`)."""
+        materialize_replica(model, optimizer, device)
         move_and_cast(model, self.precision, device)
 
     def convert_fp8(self, model: nn.Module):

@@ -1,0 +1,151 @@
+"""LazyInitContext: meta-device construction, materialization (standalone and at boost, one
+process, every plugin), load_model filling a lazily built model, and bad uses.
+
+The in-process boosts start fp8boost's one-process gloo group; the fixture destroys it so no
+later test finds a group it did not start.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8boost.colossal.lazy import LazyInitContext
+
+
+def _config(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, **kw)
+
+
+def _llama(lazy: bool, seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if not lazy:
+        return AutoModelForCausalLM.from_config(_config(**kw))
+    with LazyInitContext():
+        return AutoModelForCausalLM.from_config(_config(**kw))
+
+
+@pytest.fixture
+def group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    assert not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_context_builds_on_meta_and_materialize_follows_eager_init():
+    lazy = _llama(lazy=True)
+    tensors = list(lazy.parameters()) + list(lazy.buffers())
+    assert tensors and all(t.is_meta for t in tensors)  # nothing allocated inside the context
+    assert not nn.Linear(2, 2).weight.is_meta  # the context is gone after the block
+    eager = _llama(lazy=False)
+    assert LazyInitContext.materialize(lazy) is lazy
+    got, want = lazy.state_dict(), eager.state_dict()
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        assert got[name].shape == ref.shape and got[name].device.type == "cpu", name
+        if ref.dim() == 1:  # rotary inv_freq tables and RMSNorm weights: exactly eager's
+            assert torch.equal(got[name], ref), name
+        else:  # HF _init_weights: normal(0, initializer_range=0.02), as eager
+            assert abs(got[name].std().item() - 0.02) < 0.003, name
+            assert abs(got[name].mean().item()) < 0.003, name
+    inv = lazy.model.rotary_emb.original_inv_freq
+    assert torch.equal(inv, eager.model.rotary_emb.original_inv_freq)
+    # Deterministic under the same seed at materialization (so ranks seeded alike agree).
+    again = _llama(lazy=True)
+    torch.manual_seed(0)
+    LazyInitContext.materialize(again)
+    torch.manual_seed(0)
+    LazyInitContext.materialize(lazy := _llama(lazy=True))
+    assert all(torch.equal(a, b) for a, b in zip(lazy.state_dict().values(),
+                                                 again.state_dict().values()))
+
+
+def test_materialize_keeps_ties_and_default_device_and_refuses_bad_models():
+    tied = LazyInitContext.materialize(_llama(lazy=True, tie_word_embeddings=True))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    with LazyInitContext(default_device="cpu") as ctx:
+        layer = nn.Linear(3, 3)
+        with pytest.raises(RuntimeError, match="already entered"):
+            ctx.__enter__()
+    assert LazyInitContext.materialize(layer, verbose=True).weight.device.type == "cpu"
+    with pytest.raises(TypeError, match="nn.Module"):
+        LazyInitContext.materialize(torch.zeros(2))
+    with LazyInitContext():
+        mixed = nn.Sequential(nn.Linear(2, 2))
+    mixed.append(nn.Linear(2, 2))  # real, beside meta
+    with pytest.raises(ValueError, match="build the whole model on the meta device"):
+        LazyInitContext.materialize(mixed)
+
+
+def test_boost_refuses_a_half_meta_model_before_any_group():
+    from fp8boost.colossal.booster import Booster
+    from fp8boost.colossal.booster.plugin import LowLevelZeroPlugin
+
+    with LazyInitContext():
+        mixed = nn.Sequential(nn.Linear(2, 2))
+    mixed.append(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="real while others are on the meta device"):
+        Booster(plugin=LowLevelZeroPlugin(precision="fp32")).boost(mixed)
+    assert not dist.is_initialized()
+
+
+PLUGINS = {
+    "LowLevelZeroPlugin": dict(stage=2, precision="fp32"),
+    "TorchDDPPlugin": {},
+    "HybridParallelPlugin": dict(tp_size=1, pp_size=1, precision="fp32"),
+    "GeminiPlugin": dict(precision="fp32"),
+    "TorchFSDPPlugin": {},
+}
+
+
+@pytest.mark.parametrize("plugin_name", list(PLUGINS))
+def test_boost_materializes_trains_and_load_model_fills(group, tmp_path, plugin_name):
+    """Colossal-AI's script order: lazy build -> optimizer on it -> boost -> a step ->
+    booster.load_model(model, hf_folder): the outputs equal an eager model loaded from it."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8boost.colossal.booster import Booster
+    from fp8boost.colossal.booster import plugin as plugins
+    from fp8boost.colossal.nn.optimizer import HybridAdam
+
+    _llama(lazy=False, seed=1).save_pretrained(tmp_path)
+    model = _llama(lazy=True)
+    optimizer = HybridAdam(model.parameters(), lr=1e-2)
+    booster = Booster(plugin=getattr(plugins, plugin_name)(**PLUGINS[plugin_name]))
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    assert not any(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())
+    ids = torch.randint(0, 64, (2, 8))
+    losses = []
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[1] < losses[0], losses  # the optimizer steps the materialized parameters
+    booster.load_model(model, str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, want in reference.state_dict().items():  # every weight bit-exactly the file's
+        got = model.unwrap().state_dict()[name]
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        assert torch.equal(got, want), name
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        want = reference(input_ids=ids).logits
+    if got.dtype == torch.float32:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:  # TorchFSDPPlugin computes in bf16 by default
+        assert torch.allclose(got.float(), want, atol=2e-2), (got.float() - want).abs().max()
