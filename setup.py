@@ -20,6 +20,8 @@ setup(
     ],
     extras_require={
         # tensorboard: the example's --tensorboard (its test writes real event files)
-        "dev": ["pytest>=8", "expecttest", "matplotlib", "tensorboard"],
+        # peft: Booster.enable_lora / save_lora_as_pretrained (and their tests)
+        "dev": ["pytest>=8", "expecttest", "matplotlib", "tensorboard", "peft>=0.13"],
+        "lora": ["peft>=0.13"],
     },
 )

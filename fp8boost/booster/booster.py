@@ -90,6 +90,9 @@ class Booster:
         # that push blocks past dynamo's recompile limit into eager), whatever the config says.
         if isinstance(model, nn.Module):
             disable_kv_cache(model)
+        from .lora import drop_frozen_params, is_peft_model
+        if is_peft_model(model):  # LoRA: no masters/state for the frozen base (booster/lora.py)
+            drop_frozen_params(optimizer)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler,
                                         device=self.device)
         opt = boosted[1]
@@ -159,6 +162,49 @@ class Booster:
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients to a global norm (over all shards); returns the norm before clipping."""
         return self.plugin.clip_grad_norm_(model, optimizer, max_norm, norm_type)
+
+    def enable_lora(self, model: nn.Module, pretrained_dir: Optional[str] = None,
+                    lora_config=None, bnb_quantization_config=None,
+                    quantize: bool = False) -> nn.Module:
+        """Add peft LoRA adapters to ``model`` (before ``boost``); returns the peft model.
+
+        Colossal-AI's signature. With ``use_fp8=True`` on the plugin, ``boost`` runs the frozen
+        base layers' GEMMs in FP8 (weight cast cached once, no weight-gradient GEMM) and keeps
+        the adapters in the training dtype; the frozen parameters are left out of the optimizer
+        (no masters or state). Works with TorchDDP, LowLevelZero, Gemini and
+        HybridParallel (tp_size, zero_stage; not pp_size > 1) plugins.
+
+        Args:
+            model: the base model (not boosted yet).
+            pretrained_dir: a directory of saved adapters to load and keep training.
+            lora_config: a ``peft.LoraConfig`` (needed without ``pretrained_dir``).
+            bnb_quantization_config, quantize: refused (``ValueError``): fp8boost's cheap
+                frozen base is FP8 (``use_fp8=True``), not bitsandbytes.
+
+        Raises:
+            ImportError: peft is not installed.
+            ValueError / TypeError: a boosted model, a missing or non-peft config, quantize.
+
+        Example:
+            >>> from peft import LoraConfig                                     # doctest: +SKIP
+            >>> model = booster.enable_lora(model, lora_config=LoraConfig(
+            ...     r=8, target_modules=["q_proj", "v_proj"]))                    # doctest: +SKIP
+            >>> model, optimizer, *_ = booster.boost(model, optimizer)          # doctest: +SKIP
+        """
+        from .lora import enable_lora
+        return enable_lora(self.plugin, model, pretrained_dir, lora_config,
+                           bnb_quantization_config, quantize)
+
+    def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str,
+                                use_safetensors: bool = False) -> None:
+        """Save only the LoRA adapters, in peft's layout (``PeftModel.from_pretrained`` loads
+        them onto a fresh base model). Collective: call it on every rank; rank 0 writes.
+
+        Example:
+            >>> booster.save_lora_as_pretrained(model, "adapters/")             # doctest: +SKIP
+        """
+        from .lora import save_lora_as_pretrained
+        save_lora_as_pretrained(self.plugin, model, checkpoint, use_safetensors)
 
     # ------------------------------------------------------------------------- checkpoints
     # Every save/load is delegated to the plugin's CheckpointIO: only the plugin knows how its

@@ -84,6 +84,18 @@ def _features(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]  # Conv1D: weight is [in, out]
 
 
+LORA_ADAPTER_NAMES = frozenset(("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"))
+
+
+def lora_adapter_reason(fqn: str) -> Optional[str]:
+    """Why a peft LoRA adapter (``...q_proj.lora_A.default``) stays in high precision, else
+    None. Checked before any filter: the frozen ``base_layer`` beside it converts, the small
+    trainable adapters never do (their rank-r GEMMs gain nothing and their updates are small)."""
+    if LORA_ADAPTER_NAMES.intersection(fqn.split(".")):
+        return "LoRA adapter (lora_A/lora_B): trained in high precision, never FP8"
+    return None
+
+
 def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     """Why the default filter keeps this layer in high precision, or None to convert it."""
     leaf = fqn.rsplit(".", 1)[-1]
@@ -280,9 +292,10 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
         conv1d = is_hf_conv1d(mod)
         if not (isinstance(mod, nn.Linear) or conv1d):
             return None
-        if module_filter_fn is not None:
+        reason = lora_adapter_reason(fqn)
+        if reason is None and module_filter_fn is not None:
             reason = None if module_filter_fn(mod, fqn) else "module_filter_fn returned False"
-        else:
+        elif reason is None:
             reason = skip_reason(mod, fqn, config)
         if reason is not None:
             report.skipped[fqn] = reason

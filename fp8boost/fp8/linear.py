@@ -11,10 +11,12 @@ So each cast emits the row-major copy and, when backward needs it, the transpose
 pass. Backward saves ``xq_t`` (1 byte/element), never the BF16 input. Bias stays in high
 precision. From the second forward of an unchanged weight on (micro-batches, gradient
 accumulation, activation recomputation), its cast is cached and reused; with one forward per
-step nothing is kept, since the cached row-major copy would only pin memory until the step. Any optimizer step (a global ``torch.optim`` step hook, registered on
-first use, since fused optimizers do not bump version counters), an in-place write to the
-Parameter (its version counter) or a new storage invalidates it. Writes through ``.data`` are
-invisible to all three: call :func:`invalidate_weight_caches` after them.
+step nothing is kept, since the cached row-major copy would only pin memory until the step.
+Any optimizer step (a global ``torch.optim`` step hook: fused optimizers do not bump version
+counters), an in-place write to the Parameter (its version counter) or a new storage
+invalidates it; writes through ``.data`` are invisible: call :func:`invalidate_weight_caches`.
+A frozen weight (``requires_grad=False``, e.g. LoRA's base layer) is cast once, with its
+transpose, and reused across steps (no optimizer steps it), until it is written or loaded.
 
 A weight that is already FP8 (an :class:`~fp8boost.fp8.prequantized.Fp8WeightTensor`, e.g.
 the unsharded parameter of FSDP2's FP8 all-gather) is used as the GEMM operand directly: no
@@ -434,7 +436,7 @@ class Fp8Linear(nn.Linear):
                                       with_transpose=with_transpose or recompute,
                                       replay_scale=item)
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
-        keep = False
+        keep = use_cache and not w.requires_grad  # frozen: kept from its first cast on
         if use_cache:
             key = self._weight_cache_key()
             if self._w_cache is not None and self._w_cache[0] == key:
@@ -443,12 +445,10 @@ class Fp8Linear(nn.Linear):
                         self._replay_log.remember("weight", self._w_cache[1])
                     return self._w_cache[1]  # cached casts always carry the transpose
                 # The second forward of this weight (micro-batches, gradient accumulation): from
-                # now on the cast pays for the memory it pins. After only one forward per step
-                # it would not: the row-major copy would live, unused, until the next step. An
-                # activation-checkpointing recomputation is no second forward: its backward
-                # follows at once, and keeping the cast would pin every layer's FP8 weight
-                # until the optimizer step.
-                keep = not recomputing()
+                # now on the cast pays for the memory it pins (after one forward per step the
+                # copy would live, unused, until the next step). An activation-checkpointing
+                # recomputation is no second forward: its backward follows at once.
+                keep = keep or not recomputing()
         # Always emit the transpose when caching: the next backward will want it.
         wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
                             with_transpose=with_transpose or keep)
@@ -458,9 +458,9 @@ class Fp8Linear(nn.Linear):
         return wq
 
     def _weight_cache_key(self) -> tuple:
-        w = self.weight
-        return (w.data_ptr(), w._version, _state.step_epoch(), w.dtype, w.device,
-                self._fp8_backend.name)
+        w = self.weight  # no optimizer steps a frozen weight: the step epoch is left out
+        return (w.data_ptr(), w._version, _state.step_epoch() if w.requires_grad else None,
+                w.dtype, w.device, self._fp8_backend.name)
 
     def _cached_weight_t(self) -> Optional[Fp8Tensor]:
         """The cached weight cast (with its transpose) if it is still valid, else None."""

@@ -27,6 +27,7 @@ from torch import nn
 from fp8boost import _state
 
 from .functional import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq
+from .lora_plan import peft_base
 from .loss import HfVocabParallelLoss
 from .policy import TpPlan, check_plan
 
@@ -189,8 +190,9 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
     if plan.embedding is not None:
         state.vocab_start = _parallel_embedding(modules[plan.embedding], group, n, r, done)
     if plan.lm_head is not None:
-        state.vocab_start = _parallel_lm_head(model, modules[plan.lm_head], group,
-                                              sequence_parallel, n, r, done)
+        hf = peft_base(model)  # a peft LoRA model: the HF model inside computes the loss
+        state.vocab_start = _parallel_lm_head(hf[1] if hf else model, modules[plan.lm_head],
+                                              group, sequence_parallel, n, r, done)
     for name in plan.regions:
         layer = None
         if fp8_communication and sequence_parallel:

@@ -85,9 +85,20 @@ def _name_of(model: nn.Module, module: Optional[nn.Module]) -> Optional[str]:
 def hf_decoder_plan(model: nn.Module) -> TpPlan:
     """The plan for a Llama-structured HF model (Llama, Mistral, Qwen2 and relatives).
 
+    A peft LoRA model (``get_base_model()``) is planned through its HF model: see
+    :mod:`fp8boost.parallel.tp.lora_plan`.
+
     Raises:
         ValueError: the model does not have that structure (pass ``custom_policy``).
     """
+    from .lora_plan import lora_decoder_plan, peft_base
+
+    if peft_base(model) is not None:
+        return lora_decoder_plan(model, _plain_decoder_plan)
+    return _plain_decoder_plan(model)
+
+
+def _plain_decoder_plan(model: nn.Module) -> TpPlan:
     base = _base_model(model)
     if base is None:
         raise _unsupported(model, "no ModuleList of decoder layers at model.layers")
@@ -99,8 +110,9 @@ def hf_decoder_plan(model: nn.Module) -> TpPlan:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         for owner, oname, col, row in ((attn, "self_attn", ATTN_COLWISE, ATTN_ROWWISE),
                                        (mlp, "mlp", MLP_COLWISE, MLP_ROWWISE)):
-            missing = [n for n in col + row
-                       if not isinstance(getattr(owner, n, None), nn.Linear)]
+            missing = [n for n in col + row if not isinstance(
+                getattr(getattr(owner, n, None), "base_layer", getattr(owner, n, None)),
+                nn.Linear)]  # a LoRA wrapper's base_layer is the linear (lora_plan.py)
             if owner is None or missing:
                 raise _unsupported(model, f"{lp}.{oname} lacks linear layers {missing or col + row}")
             plan.regions.append(f"{lp}.{oname}")
