@@ -81,7 +81,10 @@ class FsdpPluginBase(Plugin):
         self.comm_report = self._fp8_all_gather(model)
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
-        if self._lazy:
+        if self._lazy and getattr(self, "param_init_fn", None) is not None:
+            from .colossal_args_fsdp import apply_param_init_fn
+            apply_param_init_fn(model, self.param_init_fn)  # FSDP1's meaning (TorchFSDPPlugin)
+        elif self._lazy:
             wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device,
                                shard_rank=mesh.get_local_rank())
         self._fp8_reduce_scatter(model)

@@ -27,11 +27,12 @@ from fp8boost.parallel.zero import ZeroOptimizer
 
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
                               pipeline_layout, stage_plan, strip_model)
+from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
+from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .distributed import broadcast_module
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
-from .precision import make_loss_scaler
 from .wrappers import DTYPES, ModelWrapper
 
 logger = logging.getLogger("fp8boost.plugins")
@@ -97,6 +98,26 @@ class HybridParallelPlugin(Plugin):
         num_model_chunks: model chunks (stages) per pipeline rank.
         num_layers_per_stage: decoder layers of each of the pp_size x num_model_chunks stages
             in pipeline order (default: equal; the layer count must then divide evenly).
+            Pipeline options with pp_size=1 are ignored (one INFO line), as in Colossal-AI.
+        gradient_checkpoint_config: a ``fp8boost.colossal.shardformer``
+            ``(Pipeline)GradientCheckpointConfig``: with ``model.gradient_checkpointing_enable()``
+            only the first ``get_num_ckpt_layers(...)`` decoder layers of each stage (the whole
+            model at pp_size=1) recompute; the others stop (``grad_ckpt.py``).
+        zero_bucket_size_in_m: Colossal-AI's name of ``reduce_bucket_size_in_m`` (default None:
+            fp8boost's 12, or 64 with FP8 communication). communication_dtype: None or the
+            working dtype (another dtype raises: use ``fp8_communication``).
+        min_scale, growth_factor, backoff_factor, max_scale: fp16 loss scaling, as Colossal-AI;
+            hysteresis: only 1 is implemented (other values: INFO under fp16).
+        scheduler_nodes: accepted with ``pp_style="zbv"`` but not replayed: torch's ZBV
+            schedule runs (INFO; ``fp8boost.colossal.pipeline.schedule.v_schedule``).
+        parallel_output: True (logits stay vocabulary-parallel); False raises with tp_size > 1.
+        enable_all_optimization, enable_fused_normalization, enable_flash_attention,
+            enable_jit_fused, enable_sequence_overlap, enable_metadata_cache, overlap_p2p,
+            overlap_allgather, dp_outside, make_vocab_size_divisible_by, inner_ring_size,
+            broadcast_buffers, ddp_bucket_cap_mb, find_unused_parameters, check_reduction,
+            gradient_as_bucket_view, static_graph: Colossal-AI's tuning of its own internals
+            (Shardformer kernels, its P2P, DDP): accepted; a non-default value logs once what
+            fp8boost does instead (``colossal_args.hybrid_args``).
 
     The model's ``logits`` output is this rank's vocabulary slice (``[..., vocab / tp_size]``);
     the HF ``loss`` is computed from the slices without gathering them.
@@ -116,8 +137,45 @@ class HybridParallelPlugin(Plugin):
                  reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1,
-                 num_layers_per_stage: Optional[list] = None, **options) -> None:
+                 num_layers_per_stage: Optional[list] = None,
+                 enable_all_optimization: bool = False, enable_fused_normalization: bool = False,
+                 enable_flash_attention: bool = False, enable_jit_fused: bool = False,
+                 enable_sequence_overlap: bool = False, parallel_output: bool = True,
+                 min_scale: float = 1, growth_factor: float = 2, backoff_factor: float = 0.5,
+                 hysteresis: int = 2, max_scale: float = 2 ** 32, broadcast_buffers: bool = True,
+                 ddp_bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, zero_bucket_size_in_m: Optional[float] = None,
+                 communication_dtype: Optional[torch.dtype] = None, scheduler_nodes=None,
+                 gradient_checkpoint_config=None, enable_metadata_cache: bool = True,
+                 make_vocab_size_divisible_by: int = 64, dp_outside: bool = True,
+                 overlap_p2p: bool = True, overlap_allgather: bool = False,
+                 inner_ring_size: Optional[int] = None, **options) -> None:
         super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
+        # Colossal-AI's own arguments (colossal_args.hybrid_args): checked, mapped or logged.
+        self.colossal = hybrid_args(
+            tp_size=tp_size, pp_size=pp_size, pp_style=pp_style, precision=self.precision,
+            reduce_bucket_size_in_m=reduce_bucket_size_in_m,
+            zero_bucket_size_in_m=zero_bucket_size_in_m, communication_dtype=communication_dtype,
+            scheduler_nodes=scheduler_nodes, gradient_checkpoint_config=gradient_checkpoint_config,
+            parallel_output=parallel_output,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            inner_ring_size=inner_ring_size,
+            loss_scale=loss_scale_args("hybrid", self.precision, min_scale=min_scale,
+                                       growth_factor=growth_factor, backoff_factor=backoff_factor,
+                                       hysteresis=hysteresis, max_scale=max_scale),
+            tuning=dict(enable_all_optimization=enable_all_optimization,
+                        enable_fused_normalization=enable_fused_normalization,
+                        enable_flash_attention=enable_flash_attention,
+                        enable_jit_fused=enable_jit_fused,
+                        enable_sequence_overlap=enable_sequence_overlap,
+                        broadcast_buffers=broadcast_buffers, ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+                        find_unused_parameters=find_unused_parameters,
+                        check_reduction=check_reduction,
+                        gradient_as_bucket_view=gradient_as_bucket_view,
+                        static_graph=static_graph, enable_metadata_cache=enable_metadata_cache,
+                        dp_outside=dp_outside, overlap_p2p=overlap_p2p,
+                        overlap_allgather=overlap_allgather))
         self.tp_size = _check_int("tp_size", tp_size, 1)
         self.pp_size = _check_int("pp_size", pp_size, 1)
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
@@ -137,7 +195,7 @@ class HybridParallelPlugin(Plugin):
             if not isinstance(custom_policy, TpPlan):
                 raise TypeError("custom_policy must be a fp8boost.parallel.tp.TpPlan or a function "
                                 f"model -> TpPlan, got {type(custom_policy).__name__}")
-        self.reduce_bucket_numel = check_bucket_size(reduce_bucket_size_in_m,
+        self.reduce_bucket_numel = check_bucket_size(self.colossal.reduce_bucket_size_in_m,
                                                      self.fp8_communication)
         self.zero_stage = zero_stage
         self.enable_sequence_parallelism = enable_sequence_parallelism
@@ -208,10 +266,14 @@ class HybridParallelPlugin(Plugin):
             check_plan(model, self._plan, self.tp_size)  # before any collective
         self._layout = pipeline_layout(model, self.pp_size, self.pipeline) \
             if self.pipeline else None
+        self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
+                                              self._layout)  # before any collective
 
     def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
         """Keep this rank's pipeline stages (dropping the others' parameters from
-        ``optimizer``), then move and cast."""
+        ``optimizer``), then move and cast; first, ``gradient_checkpoint_config`` picks the
+        decoder layers that recompute (``grad_ckpt.py``)."""
+        apply_checkpointing(model, self._ckpt_flags)
         self.pp_state = strip_model(model, optimizer, self._layout, self.topology()) \
             if self._layout else None
         super().build_model(model, optimizer, device)
@@ -250,7 +312,8 @@ class HybridParallelPlugin(Plugin):
             overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
-            loss_scaler=make_loss_scaler(self.precision, self.initial_scale, self.growth_interval),
+            loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
+                                    self.colossal.loss_scale),
             fp8_communication=self.fp8_communication, comm_config=self.comm_config,
             fp8_reduce_scatter=self.fp8_reduce_scatter,
             fp8_params=[m.weight for m in fp8_layers(model)],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8boost import _state
 from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRunner,
                                         build_stage_modules, check_pipeline_model,
                                         check_pipeline_options, make_layout, strip_to_rank,
@@ -64,9 +66,13 @@ def check_pipeline_args(pp_size: int, zero_stage: int, num_microbatches, microba
         given = [k for k, v in (("num_microbatches", num_microbatches),
                                 ("microbatch_size", microbatch_size),
                                 ("num_layers_per_stage", num_layers_per_stage)) if v is not None]
-        if given or num_model_chunks != 1 or pp_style != "1f1b":
-            raise ValueError(f"pipeline options {given or ['pp_style/num_model_chunks']} "
-                             "need pp_size > 1")
+        given += [k for k, v, d in (("pp_style", pp_style, "1f1b"),
+                                    ("num_model_chunks", num_model_chunks, 1)) if v != d]
+        if given:  # Colossal-AI ignores them without a pipeline: so does fp8boost
+            _state.log_once(logging.getLogger("fp8boost.plugins"),
+                            "colossal-args.hybrid.pipeline-options",
+                            f"fp8boost: pipeline options {given} are ignored with pp_size=1 (as "
+                            "in Colossal-AI)", level=logging.INFO)
         return None
     if zero_stage > 1:
         raise ValueError(f"pp_size > 1 needs zero_stage <= 1 (got {zero_stage}): ZeRO-2 "

@@ -1,0 +1,1 @@
+"""``colossalai.pipeline`` names that training scripts import (``schedule.v_schedule``)."""

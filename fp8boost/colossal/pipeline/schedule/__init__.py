@@ -1,0 +1,1 @@
+"""``colossalai.pipeline.schedule``: ``v_schedule.PipelineGraph`` for ``pp_style="zbv"``."""
