@@ -172,6 +172,7 @@ class Fp8Linear(nn.Linear):
         self._fp8_backend: Optional[Fp8Backend] = None
         self._backend_device: Optional[torch.device] = None
         self._w_cache: Optional[tuple] = None
+        self.keep_frozen_cast = True  # False: FSDP frees unsharded weights (fsdp/wiring.py)
         self.amax_reduce_fn = None
         self._amax_groups: dict[str, object] = {}
         self._delayed: dict[str, DelayedScalingState] = {}
@@ -436,7 +437,7 @@ class Fp8Linear(nn.Linear):
                                       with_transpose=with_transpose or recompute,
                                       replay_scale=item)
         use_cache = self.fp8_config.cache_weight_cast and not _compiling()
-        keep = use_cache and not w.requires_grad  # frozen: kept from its first cast on
+        keep = use_cache and not w.requires_grad and self.keep_frozen_cast  # frozen: kept
         if use_cache:
             key = self._weight_cache_key()
             if self._w_cache is not None and self._w_cache[0] == key:

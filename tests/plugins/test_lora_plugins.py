@@ -106,7 +106,9 @@ def _case(kind: str, rank: int, tmp: str) -> dict:
     base_same = _base_unchanged(plugin, inner, base0)
     masters = sum(1 for _ in getattr(opt, "params", ()))  # ZeRO: what it keeps masters for
     booster.save_lora_as_pretrained(wrapped, f"{tmp}/{kind}")
-    out = {"fp8_bases": fp8_bases, "fp8_adapters": fp8_adapters, "base_same": base_same,
+    kept = sum(m._cached_weight_t() is not None for n, m in inner.named_modules()
+               if n.endswith("base_layer"))  # frozen casts held between steps
+    out = {"kept_casts": kept, "fp8_bases": fp8_bases, "fp8_adapters": fp8_adapters, "base_same": base_same,
            "masters": masters, "n_adapters": len(init)}
     if rank == 0:
         ref_losses, ref = _reference(ref_model)
@@ -154,5 +156,9 @@ def test_lora_plugins_parity_and_frozen_base(tmp_path):
         assert res["param_rel"] < 6e-2, (kind, res)
         assert res["saved"], kind
         assert res["losses"][-1] < res["losses"][0], (kind, res["losses"])
+    # Frozen base casts are kept across steps, except under FSDP (Gemini), where they would
+    # hold the whole unsharded weight that resharding frees.
+    assert r0["zero2"]["kept_casts"] == r0["tp2"]["kept_casts"] == 2 * len(TARGETS)
+    assert r0["gemini"]["kept_casts"] == 0
     # ZeRO keeps masters for the adapters only (the frozen base was left out of the optimizer)
     assert r0["zero2"]["masters"] == r0["zero2"]["n_adapters"]

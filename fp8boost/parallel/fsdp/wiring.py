@@ -63,6 +63,11 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: Optional[torch.dtype],
                         "whole model is one fully_shard unit: every parameter is all-gathered at "
                         "once (no per-block overlap, peak memory = the full model in "
                         "param_dtype)")
+    from fp8boost.fp8 import fp8_layers
+    for layer in fp8_layers(model):
+        # A frozen weight's (LoRA base) cached FP8 cast would keep the whole unsharded weight
+        # between steps: exactly the memory resharding after forward frees.
+        layer.keep_frozen_cast = False
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
