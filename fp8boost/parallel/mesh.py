@@ -1,10 +1,14 @@
-"""The topology of a run: data, pipeline and tensor parallel sizes, and the named DeviceMesh.
+"""The topology of a run: data, pipeline, sequence and tensor parallel sizes, and the named
+DeviceMesh.
 
 One object says how the world is cut, as torchtitan's ``ParallelDims`` does. Ranks are laid
 out with ``tp`` innermost (consecutive ranks, so a tensor-parallel group stays inside a node
-whenever ``tp`` divides the GPUs per node), then ``pp``, then ``dp``::
+whenever ``tp`` divides the GPUs per node), then ``sp`` (Ulysses sequence parallelism: its
+all-to-alls are the next busiest), then ``pp``, then ``dp``::
 
-    rank = (dp_index * pp + pp_index) * tp + tp_index
+    rank = ((dp_index * pp + pp_index) * sp + sp_index) * tp + tp_index
+
+``sp`` defaults to 1, which leaves the (dp, pp, tp) layout as it was.
 
 Plugins build one :class:`ParallelDims`, call :meth:`ParallelDims.build_mesh` once, and take
 every process group from the returned :class:`Topology`; nothing below them assumes
@@ -26,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-DIM_NAMES = ("dp", "pp", "tp")
+DIM_NAMES = ("dp", "pp", "sp", "tp")
 
 
 def _check_size(name: str, value: object) -> int:
@@ -37,7 +41,7 @@ def _check_size(name: str, value: object) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """How ``world_size`` ranks are cut into data, pipeline and tensor parallel groups."""
+    """How ``world_size`` ranks are cut into data, pipeline, sequence and tensor parallel groups."""
 
     dp: int = 1
     """Data-parallel replicas (ZeRO/FSDP shard over this dimension)."""
@@ -48,45 +52,54 @@ class ParallelDims:
     tp: int = 1
     """Tensor-parallel ranks per model replica stage (innermost: consecutive ranks)."""
 
+    sp: int = 1
+    """Ulysses sequence-parallel ranks (between pp and tp): each holds a slice of the sequence
+    and replicated parameters; gradients are averaged over dp x sp."""
+
     world_size: int = 1
-    """Number of processes; must equal ``dp * pp * tp``."""
+    """Number of processes; must equal ``dp * pp * sp * tp``."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "world_size"):
+        for name in ("dp", "pp", "sp", "tp", "world_size"):
             _check_size(name, getattr(self, name))
-        if self.dp * self.pp * self.tp != self.world_size:
+        if self.dp * self.pp * self.sp * self.tp != self.world_size:
+            sp = f" x sp ({self.sp})" if self.sp > 1 else ""  # sp=1 runs read as before
             raise ValueError(
-                f"dp ({self.dp}) x pp ({self.pp}) x tp ({self.tp}) = "
-                f"{self.dp * self.pp * self.tp} must equal the world size ({self.world_size}): "
-                "choose sizes whose product is the number of processes")
+                f"dp ({self.dp}) x pp ({self.pp}){sp} x tp ({self.tp}) = "
+                f"{self.dp * self.pp * self.sp * self.tp} must equal the world size "
+                f"({self.world_size}): choose sizes whose product is the number of processes")
 
     @classmethod
     def for_world(cls, world_size: Optional[int] = None, *, pp: int = 1,
-                  tp: int = 1) -> "ParallelDims":
+                  tp: int = 1, sp: int = 1) -> "ParallelDims":
         """The dims for ``world_size`` ranks (default: the initialised world) with dp inferred.
 
         Raises:
-            ValueError: ``pp * tp`` does not divide the world size.
+            ValueError: ``pp * sp * tp`` does not divide the world size.
         """
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         _check_size("world_size", world_size)
-        _check_size("pp", pp)
-        _check_size("tp", tp)
-        if world_size % (pp * tp):
-            raise ValueError(f"pp ({pp}) x tp ({tp}) = {pp * tp} must divide the world size "
-                             f"({world_size}); launch a multiple of {pp * tp} processes")
-        return cls(dp=world_size // (pp * tp), pp=pp, tp=tp, world_size=world_size)
+        for name, value in (("pp", pp), ("sp", sp), ("tp", tp)):
+            _check_size(name, value)
+        inner = pp * sp * tp
+        if world_size % inner:
+            sizes = f"pp ({pp}) x sp ({sp}) x tp ({tp})" if sp > 1 else f"pp ({pp}) x tp ({tp})"
+            raise ValueError(f"{sizes} = {inner} must divide the world size ({world_size}); "
+                             f"launch a multiple of {inner} processes")
+        return cls(dp=world_size // inner, pp=pp, sp=sp, tp=tp, world_size=world_size)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"dp": i, "pp": j, "tp": k}`` of a global rank (no process group needed)."""
+        """``{"dp": i, "pp": j, "sp": l, "tp": k}`` of a global rank (no process group needed)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
-        return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp,
-                "tp": rank % self.tp}
+        return {"dp": rank // (self.pp * self.sp * self.tp),
+                "pp": rank // (self.sp * self.tp) % self.pp,
+                "sp": rank // self.tp % self.sp, "tp": rank % self.tp}
 
     def build_mesh(self, device_type: Optional[str] = None) -> "Topology":
-        """Create the named DeviceMesh ``("dp", "pp", "tp")`` (a collective: every rank calls it).
+        """Create the named DeviceMesh ``("dp", "pp", "sp", "tp")`` (a collective: every rank
+        calls it).
 
         Raises:
             ValueError: the default process group's size differs from ``world_size``.
@@ -101,7 +114,8 @@ class ParallelDims:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=DIM_NAMES)
+        mesh = init_device_mesh(device_type, (self.dp, self.pp, self.sp, self.tp),
+                                mesh_dim_names=DIM_NAMES)
         return Topology(dims=self, mesh=mesh)
 
 
@@ -122,6 +136,18 @@ class Topology:
     def group(self, name: str):
         """The process group of dimension ``name`` that holds this rank."""
         return self.submesh(name).get_group()
+
+    def flat_group(self, *names: str):
+        """One process group over several dims (e.g. ``("dp", "sp")``: the ranks that hold the
+        same parameters under Ulysses and average their gradients); ``group(name)`` for one.
+
+        A size-1 dim adds nothing, so ``flat_group("dp", "sp")`` with ``sp == 1`` is the dp
+        group itself (no new group is created)."""
+        names = tuple(n for n in names if self.size(n) > 1) or names[:1]
+        if len(names) == 1:
+            return self.group(names[0])
+        # DeviceMesh flattening creates the group collectively on every rank, once per name.
+        return self.submesh(*names)._flatten("_".join(names)).get_group()
 
     def size(self, name: str) -> int:
         return getattr(self.dims, name) if name in DIM_NAMES else self._bad(name)

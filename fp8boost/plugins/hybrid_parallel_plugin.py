@@ -25,6 +25,8 @@ from fp8boost import _state
 from fp8boost.fp8 import fp8_layers
 from fp8boost.parallel.zero import ZeroOptimizer
 
+from .hybrid_sp import (SP_MODES, apply_ulysses_to, check_sp_args, replica_groups,  # noqa: F401
+                        validate_ulysses, zero_group)
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
                               pipeline_layout, stage_plan, strip_model)
 from .colossal_args import hybrid_args, loss_scale_args, make_scaler
@@ -36,7 +38,6 @@ from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
 
 logger = logging.getLogger("fp8boost.plugins")
-SP_MODES = ("split_gather",)
 PIPELINE_ARGS = ("num_microbatches", "microbatch_size", "num_layers_per_stage")
 
 
@@ -67,8 +68,15 @@ class HybridParallelPlugin(Plugin):
         enable_sequence_parallelism: split the residual stream along the sequence between
             tensor-parallel regions (activation memory / tp); needs tp_size > 1 and a sequence
             length divisible by tp_size.
-        sequence_parallelism_mode: ``"split_gather"`` (Megatron-style; the default, and the only
-            mode, when sequence parallelism is on).
+        sequence_parallelism_mode: ``"split_gather"`` (Megatron-style over the tp ranks; the
+            default) or ``"all_to_all"`` (DeepSpeed-Ulysses over ``sp_size`` ranks of their own,
+            any tp: attention heads / tp and kv heads / tp must divide by sp_size; HF causal
+            LMs without padding masks; pp_size must be 1). Ignored (INFO) when sequence
+            parallelism is off; ``"ring_attn"`` raises. Rules: ``hybrid_sp.py``.
+        sp_size: all_to_all ranks per replica (keyword; dp = world / (pp x sp x tp)). Every sp
+            rank is fed the same full batch and keeps ``seq / sp_size`` tokens: the returned
+            ``loss`` is the global token mean, ``logits`` this rank's chunk. FP8 all-to-all of
+            q/k/v and the attention output under ``fp8_communication``; gradients in dtype.
         max_norm: clip the global gradient norm (over tp x pp x dp) at every step; 0 disables.
         custom_policy: a ``fp8boost.parallel.tp.TpPlan``, or a function ``model -> TpPlan``, for
             models the built-in HF policy (Llama, Mistral, Qwen2 and same-structured) misses.
@@ -133,7 +141,7 @@ class HybridParallelPlugin(Plugin):
     def __init__(self, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
                  enable_sequence_parallelism: bool = False,
                  sequence_parallelism_mode: Optional[str] = None, custom_policy=None, *,
-                 overlap_communication: bool = True,
+                 sp_size: Optional[int] = None, overlap_communication: bool = True,
                  reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1,
@@ -185,8 +193,8 @@ class HybridParallelPlugin(Plugin):
                             ("overlap_communication", overlap_communication),
                             ("cpu_offload", cpu_offload)):
             check_bool(name, value)
-        self.sequence_parallelism_mode = self._check_sp(enable_sequence_parallelism,
-                                                        sequence_parallelism_mode)
+        self.sequence_parallelism_mode, self.sp_size = self._check_sp(
+            enable_sequence_parallelism, sequence_parallelism_mode, sp_size)
         self.pipeline = check_pipeline_args(self.pp_size, zero_stage, num_microbatches,
                                             microbatch_size, pp_style, num_model_chunks,
                                             num_layers_per_stage)
@@ -229,20 +237,10 @@ class HybridParallelPlugin(Plugin):
                 dims, dist.get_rank(), self.pipeline.num_model_chunks, self.pipeline.pp_style)
         return self._stage_manager
 
-    def _check_sp(self, enabled: bool, mode: Optional[str]) -> Optional[str]:
-        if not enabled:
-            if mode is not None:
-                raise ValueError(f"sequence_parallelism_mode={mode!r} needs "
-                                 "enable_sequence_parallelism=True")
-            return None
-        if self.tp_size == 1:
-            raise ValueError("enable_sequence_parallelism=True splits the sequence over the "
-                             "tensor-parallel ranks: set tp_size > 1")
-        mode = "split_gather" if mode is None else mode
-        if mode not in SP_MODES:
-            raise ValueError(f"sequence_parallelism_mode={mode!r} is not supported; use "
-                             f"{SP_MODES} (Megatron-style split/gather)")
-        return mode
+    def _check_sp(self, enabled: bool, mode: Optional[str], sp_size: Optional[int]) -> tuple:
+        """(mode, sp mesh size): the rules are in ``hybrid_sp.py`` (split_gather on the tp ranks,
+        all_to_all on an sp axis of its own)."""
+        return check_sp_args(enabled, mode, sp_size, self.tp_size, self.pp_size)
 
     def __repr__(self) -> str:
         return (f"HybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.pp_size}, "
@@ -264,6 +262,7 @@ class HybridParallelPlugin(Plugin):
         self._plan = resolve_plan(model, self.custom_policy) if self.tp_size > 1 else None
         if self._plan is not None:
             check_plan(model, self._plan, self.tp_size)  # before any collective
+        validate_ulysses(self, model)
         self._layout = pipeline_layout(model, self.pp_size, self.pipeline) \
             if self.pipeline else None
         self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
@@ -290,8 +289,10 @@ class HybridParallelPlugin(Plugin):
         if self._plan is not None:
             plan = stage_plan(self._plan, model) if self.pp_state is not None else self._plan
             self.tp_state = apply_tp(model, plan, topo.group("tp"),
-                                     sequence_parallel=self.enable_sequence_parallelism,
+                                     sequence_parallel=self.sequence_parallelism_mode
+                                     == "split_gather",
                                      fp8_communication=self.fp8_communication)
+        apply_ulysses_to(self, model, topo)  # all_to_all: attention over the sp ranks
         # Delayed scaling: one amax history on every rank that holds the same layers (with pp,
         # one stage's dp x tp ranks: other stages' reductions must not be matched with ours).
         reduce_delayed_amax(model, self.pp_state.stage_group if self.pp_state else None)
@@ -308,7 +309,7 @@ class HybridParallelPlugin(Plugin):
         sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
         replicated = [p for n, p in model.named_parameters() if n not in sharded]
         opt = ZeroOptimizer(
-            optimizer, dp_group=topo.group("dp"), stage=self.zero_stage,
+            optimizer, dp_group=zero_group(self, topo), stage=self.zero_stage,
             overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
@@ -347,9 +348,8 @@ class HybridParallelPlugin(Plugin):
         """
         from fp8boost.parallel.tp.input_guard import ReplicaInputGuard
 
-        if self.tp_size * self.pp_size == 1:
-            return None
-        return ReplicaInputGuard([topo.group("tp"), topo.group("pp")], device, every_step)
+        groups = replica_groups(self, topo)  # tp, pp and Ulysses sp ranks read one batch
+        return ReplicaInputGuard(groups, device, every_step) if groups else None
 
     def _check_tp_placement(self, dims) -> None:
         self.tp_within_node = tp_within_node(self.tp_size, dims.world_size)

@@ -298,16 +298,17 @@ class Plugin(ABC):
     fused_master_step: Optional[bool] = None
 
     # ---------------------------------------------------------------------------- topology
-    #: pipeline / tensor parallel sizes; data parallel takes the rest of the world
+    #: pipeline / (Ulysses) sequence / tensor parallel sizes; dp takes the rest of the world
     pp_size: int = 1
+    sp_size: int = 1
     tp_size: int = 1
     _topology = None
 
     @property
     def dims(self) -> ParallelDims:
-        """The (dp, pp, tp) cut of the initialised world (initialises it if needed)."""
+        """The (dp, pp, sp, tp) cut of the initialised world (initialises it if needed)."""
         init_distributed()
-        return ParallelDims.for_world(pp=self.pp_size, tp=self.tp_size)
+        return ParallelDims.for_world(pp=self.pp_size, tp=self.tp_size, sp=self.sp_size)
 
     def topology(self, device: Optional[torch.device] = None) -> Topology:
         """The named DeviceMesh ("dp", "pp", "tp"), built once (a collective on first call)."""
@@ -322,7 +323,7 @@ class Plugin(ABC):
             return None
         if self._topology is not None:
             return self._topology.group("dp")
-        return dist.group.WORLD if self.pp_size * self.tp_size == 1 else None
+        return dist.group.WORLD if self.pp_size * self.tp_size * self.sp_size == 1 else None
 
     @property
     def checkpoint_group(self):

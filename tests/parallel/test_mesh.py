@@ -10,7 +10,8 @@ from tests.dist_utils import run_distributed
 
 
 def test_dims_validate_and_infer():
-    assert ParallelDims(dp=2, pp=2, tp=2, world_size=8).coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert ParallelDims(dp=2, pp=2, tp=2, world_size=8).coords(5) == {"dp": 1, "pp": 0, "sp": 0,
+                                                                      "tp": 1}
     assert ParallelDims.for_world(8, pp=2, tp=2).dp == 2
     with pytest.raises(ValueError, match=r"dp \(2\) x pp \(1\) x tp \(3\) = 6 must equal the world size \(4\)"):
         ParallelDims(dp=2, tp=3, world_size=4)
