@@ -164,6 +164,9 @@ def save_lora_as_pretrained(plugin, model: nn.Module, checkpoint: str,
         raise TypeError(f"save_lora_as_pretrained needs the model returned by boost after "
                         f"booster.enable_lora(...), got {type(inner).__name__}")
     checkpoint = os.fspath(checkpoint)
+    if os.path.isfile(checkpoint):  # Colossal-AI logs this and saves nothing
+        raise ValueError(f"save_lora_as_pretrained writes a directory (peft's adapter layout); "
+                         f"{checkpoint!r} is a file: pass a directory path")
     sd = adapter_state_dict(plugin, model)  # collective
     if not dist.is_initialized() or dist.get_rank() == 0:
         inner.save_pretrained(checkpoint, state_dict=sd, safe_serialization=use_safetensors)

@@ -92,6 +92,9 @@ def test_enable_lora_fp8_base_trains_adapters_and_caches_frozen_casts(tmp_path):
     wrapped(input_ids=ids, labels=ids).loss.backward()
     assert counts[bases[0]] == 3 and counts[bases[1]] == 2
 
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        booster.save_lora_as_pretrained(wrapped, tmp_path / "file")
     booster.save_lora_as_pretrained(wrapped, tmp_path / "adapters")
     # The trained model in fp32, without FP8: its base is the bf16-rounded initial base.
     convert_from_fp8(model)

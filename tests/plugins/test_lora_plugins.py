@@ -50,6 +50,9 @@ def _plugin(kind: str):
         return GeminiPlugin(**common)
     if kind == "tp2":
         return HybridParallelPlugin(tp_size=2, zero_stage=1, **common)
+    if kind == "tp2_sp":  # split-gather sequence parallelism, FP8 communication asked for
+        return HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True,
+                                    fp8_communication=True, **common)
     return TorchDDPPlugin(**common)
 
 
@@ -142,7 +145,7 @@ def _saved_matches(path: str, got: dict) -> bool:
 
 def _all_cases(rank: int, world: int, tmp: str) -> dict:
     torch.manual_seed(0)
-    return {kind: _case(kind, rank, tmp) for kind in ("zero2", "tp2", "ddp", "gemini")}
+    return {kind: _case(kind, rank, tmp) for kind in ("zero2", "tp2", "tp2_sp", "ddp", "gemini")}
 
 
 def test_lora_plugins_parity_and_frozen_base(tmp_path):
