@@ -103,7 +103,8 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     plan = hf.plan_files(shapes, shard, size_mb)
     names = hf.file_names(plan, shard)
     writer = coord.rank(plugin.checkpoint_group) == 0
-    sends = tp.size > 1 and plugin.dp_rank == 0  # rank 0's tp group
+    # rank 0's tp group (Ulysses sp ranks hold the same weights: sp rank 0's group sends)
+    sends = tp.size > 1 and plugin.dp_rank == 0 and plugin.topology().rank("sp") == 0
     sink = hf.Sink(directory) if writer else None
     with torch.no_grad():
         for fname, keys in zip(names, plan):
