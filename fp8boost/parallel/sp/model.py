@@ -121,8 +121,11 @@ class UlyssesForward:
                                              num_items_in_batch=1)
         if torch.is_tensor(count):
             count = count.to(local_sum.device)
-        out.loss = _GlobalMean.apply(local_sum * self.sp / count, self.group)
-        return out
+        loss = _GlobalMean.apply(local_sum * self.sp / count, self.group)
+        # Rebuilt, not `out.loss = ...`: a ModelOutput field that was None is not among its
+        # keys, so the attribute alone would leave `out[0]` / `out["loss"]` (Colossal-AI's
+        # `outputs[0]`) pointing at the logits.
+        return type(out)(**{**dict(out.items()), "loss": loss})
 
 
 def apply_ulysses(model: nn.Module, group, fp8_communication: bool = False,
