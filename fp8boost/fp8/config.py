@@ -1,9 +1,10 @@
 """FP8 training configuration: one frozen, validated object per run.
 
 A recipe is a config object, never a bag of kwargs. Two names, two things: the ``recipe``
-field is the scaling algorithm (``tensorwise`` or ``delayed``); a *named recipe*
-(:meth:`Fp8Config.from_recipe`: ``tensorwise``, ``tensorwise_pow2``, ``tensorwise_e4m3``,
-``delayed``) is a preset of several fields, the scaling algorithm among them.
+field is the scaling algorithm (``tensorwise``, ``delayed``, ``rowwise`` or ``blockwise``); a
+*named recipe* (:meth:`Fp8Config.from_recipe`: ``tensorwise``, ``tensorwise_pow2``,
+``tensorwise_e4m3``, ``delayed``, ``rowwise``, ``rowwise_with_gw_hp``, ``blockwise``,
+``blockwise_pow2``) is a preset of several fields, the scaling algorithm among them.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-RECIPES = ("tensorwise", "delayed")
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+GRANULAR_RECIPES = ("rowwise", "blockwise")
+"""The recipes with one scale per row or tile (``fp8boost.fp8.granular``), not per tensor."""
 FORMATS = ("hybrid", "e4m3")
 BACKENDS = ("auto", "triton", "cublas", "emulated")
 AMAX_ALGOS = ("max", "most_recent")
@@ -37,25 +40,52 @@ class Fp8Config:
     recipe: str = "tensorwise"
     """Scaling algorithm. ``tensorwise``: current ("real-time") per-tensor scaling, the scale is
     computed from the tensor being cast. ``delayed``: TE-style, the scale comes from a history of
-    past amax values (cheaper, one step stale). The named recipes of :meth:`from_recipe`
-    (``tensorwise_pow2``, ``tensorwise_e4m3``, ...) are presets that set this field and others:
-    ``Fp8Config(recipe="tensorwise_pow2")`` is refused with a pointer to ``from_recipe``."""
+    past amax values (cheaper, one step stale). ``rowwise``: current scaling with one scale per
+    row of each GEMM operand in its NT form (amax over the reduced dim; the weight-gradient
+    operands are scaled along the token axis). ``blockwise`` (DeepSeek-V3): activations and
+    gradients in 1 x ``block_size`` tiles along each GEMM's reduced dim, weights in
+    ``block_size`` x ``block_size`` blocks. Both in ``fp8boost.fp8.granular``; they survive
+    outliers that set a per-tensor scale. The named recipes of :meth:`from_recipe`
+    (``tensorwise_pow2``, ``rowwise_with_gw_hp``, ...) are presets that set this field and
+    others: ``Fp8Config(recipe="tensorwise_pow2")`` is refused with a pointer to
+    ``from_recipe``. The named ``rowwise``/``blockwise`` presets also set e4m3 gradients and
+    (rowwise) power-of-2 scales: ``Fp8Config(recipe="rowwise")`` alone keeps the field
+    defaults (hybrid formats, FP32 scales)."""
 
     fp8_format: str = "hybrid"
     """``hybrid``: e4m3 for activations and weights, e5m2 for gradients (range over precision).
     ``e4m3``: e4m3 everywhere."""
 
     amax_history_len: int = 16
-    """Delayed scaling only: how many past amax values are kept per tensor."""
+    """Delayed scaling only: how many past amax values are kept per tensor (ignored by the
+    current-scaling recipes: tensorwise, rowwise, blockwise)."""
 
     amax_compute_algo: str = "max"
-    """Delayed scaling only: ``max`` over the history, or the ``most_recent`` entry."""
+    """Delayed scaling only: ``max`` over the history, or the ``most_recent`` entry (ignored
+    otherwise)."""
 
     margin: int = 0
-    """Scale is divided by ``2**margin``: head-room against growth between steps."""
+    """Scale is divided by ``2**margin``: head-room against growth between steps. Rowwise and
+    blockwise apply it to every row/tile scale (current scaling needs none: 0 is right)."""
 
     power_of_2_scale: bool = False
-    """Round each scale down to a power of two, so scaling is exact in the mantissa."""
+    """Round each scale down to a power of two, so scaling is exact in the mantissa. Applies
+    to every recipe, per row or tile for rowwise/blockwise (the named ``rowwise`` recipe turns
+    it on, as torchao's rowwise recipe does; ``blockwise`` keeps FP32 scales as DeepSeek-V3
+    trained, ``blockwise_pow2`` rounds them)."""
+
+    block_size: int = 128
+    """Blockwise only: the tile length (activations and gradients: 1 x block_size along each
+    GEMM's reduced dim) and the weight block side (block_size x block_size). A power of two
+    >= 16; cuBLAS's blockwise GEMM takes 128 only (other sizes run the dequantizing fallback,
+    with a warning). Dims that are not multiples of it end in a partial tile/block scaled from
+    its own elements."""
+
+    wgrad_high_precision: bool = False
+    """Rowwise/blockwise only: compute the weight gradient ``dy^T . x`` in high precision (the
+    input's dtype, BF16 in training) instead of FP8, as torchao's ``rowwise_with_gw_hp``. As
+    there, the layer then saves its input in high precision for backward (not an FP8 copy):
+    2 bytes per element instead of 1, for an exact weight gradient."""
 
     backend: str = "auto"
     """``auto`` (triton on sm89+, else emulated, with a one-time warning), ``triton``,
@@ -66,7 +96,9 @@ class Fp8Config:
     """Fast (less precise) tensor-core accumulation in the forward GEMM."""
 
     fast_accum_dgrad: bool = False
-    """Fast accumulation in the input-gradient GEMM (off: gradients want precision)."""
+    """Fast accumulation in the input-gradient GEMM (off: gradients want precision).
+    Blockwise GEMMs always promote to FP32 (per 128 of K, the recipe's point) and ignore the
+    three ``fast_accum_*`` fields."""
 
     fast_accum_wgrad: bool = False
     """Fast accumulation in the weight-gradient GEMM (off: long K = tokens)."""
@@ -74,7 +106,8 @@ class Fp8Config:
     cache_weight_cast: bool = True
     """Reuse the weight's FP8 cast while the weight is unchanged, from its second forward on
     (micro-batches, gradient accumulation, recomputation). A weight read once per optimizer
-    step is cast each time and nothing is kept (the cache would only pin memory)."""
+    step is cast each time and nothing is kept (the cache would only pin memory). Rowwise and
+    blockwise: not applied yet (the weight is cast in every forward)."""
 
     compiled_casts: str = "inductor"
     """Under ``torch.compile``, how activations, gradients and weights are cast to FP8.
@@ -90,7 +123,8 @@ class Fp8Config:
     """Eager, tensorwise scaling: layers that read the same input tensor (q/k/v, gate/up) share
     one FP8 cast of it (one amax + cast instead of three, and one saved FP8 copy for backward).
     Exact: the shared cast is the one each layer would have made. Under ``torch.compile`` the
-    compiler's common-subexpression elimination does the same."""
+    compiler's common-subexpression elimination does the same. Rowwise/blockwise: not applied
+    in eager (each layer casts its input), CSE still merges them when compiled."""
 
     recompute_weight_cast: bool = True
     """Current scaling: backward re-casts the weight for the input-gradient GEMM (from the
@@ -98,7 +132,9 @@ class Fp8Config:
     holding its transposed FP8 copy from forward to backward. Saves 1 byte per weight element
     of activation memory for one weight cast more per backward; a cached weight cast (see
     ``cache_weight_cast``) is used as it is. ``False`` keeps the copy (the earlier behaviour).
-    Eager and compiled (``bench/saved_activations.py`` measures what each layer keeps)."""
+    Eager and compiled (``bench/saved_activations.py`` measures what each layer keeps).
+    Rowwise/blockwise: the same choice (re-quantize W's dgrad operand from the Parameter in
+    backward, or keep its FP8 copy from forward)."""
 
     skip_module_names: tuple[str, ...] = ("lm_head",)
     """Default filter: linear layers whose qualified name ends with one of these stay high precision."""
@@ -134,13 +170,14 @@ class Fp8Config:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
         _check_choice("compiled_casts", self.compiled_casts, COMPILED_CASTS)
-        for name in ("amax_history_len", "margin", "min_features", "min_numel"):
+        for name in ("amax_history_len", "margin", "min_features", "min_numel", "block_size"):
             value = getattr(self, name)
             if name == "min_numel" and value is None:  # the library default (see the field)
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 kind = "an int or None" if name == "min_numel" else "an int"
                 raise TypeError(f"Fp8Config.{name} must be {kind}, got {type(value).__name__}")
+        self._check_granular()
         if self.amax_history_len < 1:
             raise ValueError(
                 f"Fp8Config.amax_history_len must be >= 1, got {self.amax_history_len}; "
@@ -157,6 +194,24 @@ class Fp8Config:
             raise TypeError("Fp8Config.skip_module_names must be a tuple of str, "
                             "e.g. ('lm_head',)")
         object.__setattr__(self, "skip_module_names", tuple(self.skip_module_names))
+
+    def _check_granular(self) -> None:
+        """Fields of the rowwise/blockwise recipes: valid values, and only where they apply."""
+        if not isinstance(self.wgrad_high_precision, bool):
+            raise TypeError("Fp8Config.wgrad_high_precision must be a bool, got "
+                            f"{type(self.wgrad_high_precision).__name__}")
+        if self.wgrad_high_precision and self.recipe not in GRANULAR_RECIPES:
+            raise ValueError(
+                f"Fp8Config.wgrad_high_precision applies to the recipes {GRANULAR_RECIPES}, not "
+                f"{self.recipe!r}; use Fp8Config.from_recipe('rowwise_with_gw_hp') or set "
+                "recipe='rowwise'/'blockwise'")
+        b = self.block_size
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"Fp8Config.block_size must be a power of two >= 16, got {b}; "
+                             "use 128 (DeepSeek-V3's, and the one cuBLAS runs)")
+        if b != 128 and self.recipe != "blockwise":
+            raise ValueError(f"Fp8Config.block_size={b} applies to recipe='blockwise' only "
+                             f"(recipe is {self.recipe!r}); leave it at 128 or set the recipe")
 
     @property
     def fwd_dtype(self) -> torch.dtype:
@@ -178,7 +233,15 @@ class Fp8Config:
 
         Recipes: ``tensorwise`` (default: current scaling, hybrid formats),
         ``tensorwise_pow2`` (power-of-two scales), ``delayed`` (amax history of 16, max),
-        ``tensorwise_e4m3`` (e4m3 for gradients too).
+        ``tensorwise_e4m3`` (e4m3 for gradients too), ``rowwise`` (per-row scales, e4m3
+        everywhere, power-of-two scales: torchao's rowwise), ``rowwise_with_gw_hp`` (the same
+        with the weight gradient in high precision), ``blockwise`` (DeepSeek-V3: 1x128 tiles,
+        128x128 weight blocks, e4m3 everywhere, FP32 scales), ``blockwise_pow2`` (its scales
+        rounded to powers of two).
+
+        Example:
+            >>> Fp8Config.from_recipe("rowwise").power_of_2_scale
+            True
         """
         if name not in NAMED_RECIPES:
             raise ValueError(f"unknown FP8 recipe {name!r}; choose one of {sorted(NAMED_RECIPES)}")
@@ -191,6 +254,13 @@ NAMED_RECIPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "tensorwise_pow2": {"power_of_2_scale": True},
         "delayed": {"recipe": "delayed", "amax_history_len": 16, "amax_compute_algo": "max"},
         "tensorwise_e4m3": {"fp8_format": "e4m3"},
+        # With a scale per row/tile, e4m3's precision beats e5m2's range for gradients too
+        # (torchao's rowwise recipes and DeepSeek-V3 use e4m3 everywhere).
+        "rowwise": {"recipe": "rowwise", "fp8_format": "e4m3", "power_of_2_scale": True},
+        "rowwise_with_gw_hp": {"recipe": "rowwise", "fp8_format": "e4m3",
+                               "power_of_2_scale": True, "wgrad_high_precision": True},
+        "blockwise": {"recipe": "blockwise", "fp8_format": "e4m3"},
+        "blockwise_pow2": {"recipe": "blockwise", "fp8_format": "e4m3", "power_of_2_scale": True},
     }.items()})
 
 

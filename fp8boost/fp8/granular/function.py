@@ -1,0 +1,146 @@
+"""The three GEMMs of a linear layer under the rowwise and blockwise recipes.
+
+    fprop  y[M,N]  = x[M,K]  . W[N,K]^T     x: rows/tiles over K     W: rows over K / blocks
+    dgrad  dx[M,K] = dy[M,N] . W^T[K,N]^T   dy: rows/tiles over N    W^T: rows over N / blocks^T
+    wgrad  dW[N,K] = dy^T[N,M] . x^T[K,M]^T dy^T: rows/tiles over M  x^T: rows/tiles over M
+
+Forward saves FP8 copies only: ``x^T`` quantized along the token axis (when wgrad is needed)
+and, with ``recompute_weight_cast=False``, W's dgrad operand; with it True (the default),
+the Parameter (kept anyway) is re-quantized in backward, giving the same bytes. The one
+exception is ``wgrad_high_precision`` (torchao's ``rowwise_with_gw_hp``): wgrad is the
+high-precision product ``dy^T . x`` of the unquantized tensors, so ``x`` itself is saved, as
+torchao does. Bias and its gradient stay in high precision; gradients come back in the dtypes
+of the inputs they belong to.
+
+Under ``torch.compile`` everything here is plain torch ops around one scaled-mm call per GEMM,
+so inductor fuses the quantizers into their producers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import GRANULAR_RECIPES, Fp8Config
+from .gemm import granular_mm
+from .quantize import GranularFp8, quantize_operands
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, cfg: Fp8Config, *, weight: bool,
+              rows: bool, cols: bool):
+    return quantize_operands(x, dtype, cfg.recipe, weight=weight, rows=rows, cols=cols,
+                             block=cfg.block_size, margin=cfg.margin,
+                             power_of_2=cfg.power_of_2_scale)
+
+
+def _fast_accum(cfg: Fp8Config, which: str) -> bool:
+    # Blockwise is the promoted-accumulation recipe: never fast accumulation.
+    return cfg.recipe == "rowwise" and getattr(cfg, f"fast_accum_{which}")
+
+
+def _save(q: Optional[GranularFp8]) -> tuple:
+    """An operand as two saved tensors (None, None when absent); its kind/block go on ctx."""
+    return (None, None) if q is None else (q.data, q.inv_scale)
+
+
+def _layout(q: Optional[GranularFp8]) -> tuple:
+    return (None, 0) if q is None else (q.kind, q.block)
+
+
+class GranularLinearFunction(torch.autograd.Function):
+    """``apply(x2d, weight, bias, config, backend)``: see :func:`granular_linear`."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, cfg: Fp8Config, backend):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        hp_wgrad = need_wgrad and cfg.wgrad_high_precision
+        xq, xq_t = _quantize(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
+                             cols=need_wgrad and not hp_wgrad)
+        keep_wt = need_dgrad and not cfg.recompute_weight_cast
+        wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True, cols=keep_wt)
+        y = granular_mm(xq, wq, backend, bias=bias, out_dtype=x2d.dtype,
+                        use_fast_accum=_fast_accum(cfg, "fprop"))
+        ctx.cfg, ctx.backend = cfg, backend
+        ctx.need_dgrad, ctx.need_wgrad, ctx.hp_wgrad = need_dgrad, need_wgrad, hp_wgrad
+        ctx.recast = need_dgrad and cfg.recompute_weight_cast
+        ctx.kinds = (*_layout(xq_t), *_layout(wq_t))
+        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(
+            *_save(xq_t), *_save(wq_t),
+            x2d if hp_wgrad else None,
+            weight if ctx.recast else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xt_data, xt_inv, wt_data, wt_inv, x_hp, w_param = ctx.saved_tensors
+        cfg, backend = ctx.cfg, ctx.backend
+        x_kind, x_block, w_kind, w_block = ctx.kinds
+        dy = dy.contiguous()
+        dyq, dyq_t = _quantize(dy, cfg.grad_dtype, cfg, weight=False, rows=ctx.need_dgrad,
+                               cols=ctx.need_wgrad and not ctx.hp_wgrad)
+        dx = dw = db = None
+        if ctx.need_dgrad:
+            if ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
+                _, wq_t = _quantize(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
+                                    cols=True)
+            else:
+                wq_t = GranularFp8(wt_data, wt_inv, w_kind, w_block)
+            dx = granular_mm(dyq, wq_t, backend, out_dtype=ctx.x_dtype,
+                             use_fast_accum=_fast_accum(cfg, "dgrad"))
+        if ctx.need_wgrad and ctx.hp_wgrad:
+            # torchao's rowwise_with_gw_hp: the unquantized product, in the input's dtype
+            # (BF16 in training: a BF16 GEMM with FP32 accumulation).
+            dw = torch.mm(dy.t(), x_hp.to(dy.dtype)).to(ctx.w_dtype)
+        elif ctx.need_wgrad:
+            xq_t = GranularFp8(xt_data, xt_inv, x_kind, x_block)
+            dw = granular_mm(dyq_t, xq_t, backend, out_dtype=ctx.w_dtype,
+                             use_fast_accum=_fast_accum(cfg, "wgrad"))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.float().sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None
+
+
+def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    config: Fp8Config, backend) -> torch.Tensor:
+    """``x2d @ weight.T + bias`` with FP8 GEMMs under the rowwise or blockwise recipe.
+
+    A pure function of its inputs (no state, no caches): Fp8Linear calls it from its forward
+    when ``config.recipe`` is ``rowwise`` or ``blockwise``.
+
+    Args:
+        x2d: input ``[M, K]`` (flatten leading dims first).
+        weight: ``[N, K]``; may be frozen (``requires_grad=False``: no wgrad, no x^T cast).
+        bias: ``[N]`` or None; added and differentiated in high precision.
+        config: an :class:`~fp8boost.fp8.config.Fp8Config` with a granular recipe
+            (``fp8_format``, ``power_of_2_scale``, ``margin``, ``block_size``,
+            ``wgrad_high_precision``, ``recompute_weight_cast``, ``fast_accum_*``).
+        backend: an ``Fp8Backend`` (``get_backend(config.backend, device)``) or its name.
+
+    Returns:
+        ``[M, N]`` in ``x2d.dtype``; gradients come back in the dtypes of x2d, weight, bias.
+
+    Example:
+        >>> import torch
+        >>> from fp8boost.fp8 import Fp8Config
+        >>> cfg = Fp8Config.from_recipe("blockwise", backend="emulated")
+        >>> x = torch.randn(8, 256, requires_grad=True)
+        >>> w = torch.randn(128, 256, requires_grad=True)
+        >>> granular_linear(x, w, None, cfg, "emulated").sum().backward()
+        >>> x.grad.shape, w.grad.shape
+        (torch.Size([8, 256]), torch.Size([128, 256]))
+    """
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+    if config.recipe not in GRANULAR_RECIPES:
+        raise ValueError(f"granular_linear runs the recipes {GRANULAR_RECIPES}, got "
+                         f"{config.recipe!r}; tensorwise/delayed run in Fp8LinearFunction")
+    if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
+        raise ValueError(f"granular_linear needs x2d [M, K] and weight [N, K], got "
+                         f"{tuple(x2d.shape)} and {tuple(weight.shape)}; flatten leading dims "
+                         "of x with x.reshape(-1, x.shape[-1])")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    return GranularLinearFunction.apply(x2d, weight, bias, config, backend)

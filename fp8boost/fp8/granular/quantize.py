@@ -1,0 +1,205 @@
+"""Reference quantizers of the rowwise and blockwise recipes, in plain torch ops.
+
+They serve the emulated backend, define the bytes every faster path must reproduce, and run
+under ``torch.compile``, where inductor fuses them into the kernel that produced the tensor.
+
+Every GEMM operand is described in its "NT" form: a 2-D row-major tensor whose last dim is
+the GEMM's reduced dim (K-major, as Hopper FP8 tensor cores want). A :class:`GranularFp8`
+holds the FP8 data in that form and FP32 *inverse* scales (``data.float() * inv_scale ~=
+original``; the scale that multiplied on the way in is ``1 / inv_scale``, exactly so with
+power-of-2 scales). Scale layouts, for an operand ``data[R, C]`` reduced over ``C``:
+
+=========  ==================================  =============================================
+kind       one scale per                        ``inv_scale`` shape
+=========  ==================================  =============================================
+``row``    row (amax over all of C)             ``[R, 1]``
+``tile``   1 x b tile along C                   ``[R, ceil(C/b)]``
+``block``  b x b block                          ``[ceil(R/b), ceil(C/b)]``
+=========  ==================================  =============================================
+
+(``torch._scaled_mm`` wants the second operand's rowwise scale as ``[1, N]``: that is the
+``[N, 1]`` above transposed, which the GEMM dispatch does.) A dim that is not a multiple of
+``b`` ends in a partial tile or block whose scale comes from its own elements (implemented by
+zero padding, which cannot change an amax), so no shape is refused and none falls back.
+
+Scale math is :func:`fp8boost.fp8.scaling.scale_from_amax`, elementwise: amax 0 gives scale 1,
+a NaN/Inf anywhere in a row/tile/block makes that row/tile/block's scale NaN and so all of its
+FP8 values NaN (visible, and confined to it), the cast saturates in FP32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..scaling import E4M3, cast_to_fp8, scale_from_amax
+
+KINDS = ("row", "tile", "block")
+
+
+@dataclass
+class GranularFp8:
+    """One FP8 GEMM operand ``data[R, C]`` (reduced over C) with per-row/tile/block scales.
+
+    Attributes:
+        data: FP8 tensor, row-major ``[R, C]``.
+        inv_scale: FP32 inverse scales, shaped as in the module docstring for ``kind``.
+        kind: ``"row"``, ``"tile"`` or ``"block"``.
+        block: tile length / block side (``kind`` tile or block; 0 for row).
+    """
+
+    data: torch.Tensor
+    inv_scale: torch.Tensor
+    kind: str
+    block: int = 0
+
+    def expanded_inv_scale(self) -> torch.Tensor:
+        """The inverse scale of every element, ``[R, C]`` FP32 (broadcastable for ``row``)."""
+        if self.kind == "row":
+            return self.inv_scale
+        r, c = self.data.shape
+        s = self.inv_scale.repeat_interleave(self.block, dim=1)[:, :c]
+        if self.kind == "block":
+            s = s.repeat_interleave(self.block, dim=0)[:r]
+        return s
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data.float() * inv_scale`` per element, in FP32, returned as ``dtype``."""
+        return (self.data.float() * self.expanded_inv_scale()).to(dtype)
+
+    def t(self) -> "GranularFp8":
+        """The transposed operand (``block`` kind only: the same blocks, transposed)."""
+        if self.kind != "block":
+            raise ValueError(f"only weight blocks transpose into an operand (kind={self.kind!r});"
+                             " quantize along the other dim instead (quantize_operands)")
+        return GranularFp8(self.data.t().contiguous(), self.inv_scale.t().contiguous(),
+                           "block", self.block)
+
+
+def _check_2d(x: torch.Tensor, block: int = 0) -> None:
+    if not torch.is_tensor(x) or x.dim() != 2:
+        shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+        raise ValueError(f"expected a 2-D tensor, got {shape}; flatten leading dims first "
+                         "(x.reshape(-1, x.shape[-1]))")
+    if block and (block < 1 or block & (block - 1)):
+        raise ValueError(f"block size must be a power of two, got {block}")
+
+
+def _pad_cols(x: torch.Tensor, block: int) -> torch.Tensor:
+    pad = -x.shape[1] % block
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: int = 0,
+                  power_of_2: bool = False) -> GranularFp8:
+    """One scale per row of ``x[R, C]`` (amax over C): the operand ``x`` reduced over C.
+
+    Example:
+        >>> q = quantize_rows(torch.randn(4, 32))
+        >>> tuple(q.data.shape), tuple(q.inv_scale.shape)
+        ((4, 32), (4, 1))
+    """
+    _check_2d(x)
+    a = x.detach().abs().amax(dim=1, keepdim=True).float() if x.shape[1] else \
+        torch.zeros(x.shape[0], 1, device=x.device)
+    scale = scale_from_amax(a, dtype, margin, power_of_2)
+    # contiguous: from quantize_cols_t, x is a transposed view and the cast keeps its strides;
+    # GEMM operands must be row-major (1 byte/element to copy, not the 2-4 of the input).
+    return GranularFp8(cast_to_fp8(x, scale, dtype).contiguous(), scale.reciprocal(), "row")
+
+
+def quantize_cols_t(x: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: int = 0,
+                    power_of_2: bool = False) -> GranularFp8:
+    """One scale per column of ``x[R, C]`` (amax over R), emitted transposed: the operand
+    ``x^T[C, R]`` reduced over R (wgrad's operands, scaled along the token axis)."""
+    _check_2d(x)
+    return quantize_rows(x.t(), dtype, margin=margin, power_of_2=power_of_2)
+
+
+def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 128,
+                   margin: int = 0, power_of_2: bool = False) -> GranularFp8:
+    """1 x ``block`` tiles along the last dim of ``x[R, C]``; ``inv_scale`` ``[R, ceil(C/b)]``.
+
+    Example:
+        >>> q = quantize_tiles(torch.randn(4, 200), block=128)
+        >>> tuple(q.inv_scale.shape)
+        (4, 2)
+    """
+    _check_2d(x, block)
+    r, c = x.shape
+    xp = _pad_cols(x, block)
+    tiles = xp.reshape(r, -1, block)
+    a = tiles.detach().abs().amax(dim=2).float() if tiles.numel() else \
+        torch.zeros(r, tiles.shape[1], device=x.device)
+    scale = scale_from_amax(a, dtype, margin, power_of_2)
+    data = cast_to_fp8(tiles, scale.unsqueeze(2), dtype).reshape(r, -1)[:, :c]
+    return GranularFp8(data.contiguous(), scale.reciprocal(), "tile", block)
+
+
+def quantize_tiles_t(x: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 128,
+                     margin: int = 0, power_of_2: bool = False) -> GranularFp8:
+    """``block`` x 1 tiles along dim 0 of ``x[R, C]``, emitted transposed: the operand
+    ``x^T[C, R]`` in 1 x ``block`` tiles along R; ``inv_scale`` ``[C, ceil(R/b)]``."""
+    _check_2d(x, block)
+    return quantize_tiles(x.t(), dtype, block=block, margin=margin, power_of_2=power_of_2)
+
+
+def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 128,
+                    margin: int = 0, power_of_2: bool = False) -> GranularFp8:
+    """``block`` x ``block`` blocks of ``w[N, K]``; ``inv_scale`` ``[ceil(N/b), ceil(K/b)]``.
+
+    The dgrad operand ``W^T`` is the same blocks transposed (:meth:`GranularFp8.t`).
+
+    Example:
+        >>> q = quantize_blocks(torch.randn(300, 256), block=128)
+        >>> tuple(q.inv_scale.shape), tuple(q.t().inv_scale.shape)
+        ((3, 2), (2, 3))
+    """
+    _check_2d(w, block)
+    n, k = w.shape
+    pad_n, pad_k = -n % block, -k % block
+    wp = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
+    nb, kb = wp.shape[0] // block, wp.shape[1] // block
+    blocks = wp.reshape(nb, block, kb, block)
+    a = blocks.detach().abs().amax(dim=(1, 3)).float() if blocks.numel() else \
+        torch.zeros(nb, kb, device=w.device)
+    scale = scale_from_amax(a, dtype, margin, power_of_2)
+    data = cast_to_fp8(blocks, scale[:, None, :, None], dtype).reshape(nb * block, kb * block)
+    return GranularFp8(data[:n, :k].contiguous(), scale.reciprocal(), "block", block)
+
+
+def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weight: bool,
+                      rows: bool = True, cols: bool = False, block: int = 128, margin: int = 0,
+                      power_of_2: bool = False
+                      ) -> tuple[Optional[GranularFp8], Optional[GranularFp8]]:
+    """Every operand the GEMMs need from one tensor ``x[R, C]``, in one call.
+
+    ``rows``: the operand reduced over C (``x`` itself: x and W in fprop, dy in dgrad).
+    ``cols``: the operand reduced over R (``x^T``: W^T in dgrad, dy^T and x^T in wgrad).
+    ``recipe`` ``rowwise``: per-row scales of each operand. ``blockwise``: activations and
+    gradients (``weight=False``) in 1 x ``block`` tiles along each operand's reduced dim,
+    weights in ``block`` x ``block`` blocks whose transpose is the ``cols`` operand (the same
+    bytes and scales). A fused kernel implements this same contract in one read of ``x``.
+
+    Returns:
+        ``(rows_operand or None, cols_operand or None)``.
+
+    Example:
+        >>> x = torch.randn(256, 64)
+        >>> xq, xq_t = quantize_operands(x, E4M3, "blockwise", weight=False, cols=True)
+        >>> tuple(xq.inv_scale.shape), tuple(xq_t.data.shape), tuple(xq_t.inv_scale.shape)
+        ((256, 1), (64, 256), (64, 2))
+    """
+    kw = {"margin": margin, "power_of_2": power_of_2}
+    if recipe == "rowwise":
+        return (quantize_rows(x, dtype, **kw) if rows else None,
+                quantize_cols_t(x, dtype, **kw) if cols else None)
+    if recipe != "blockwise":
+        raise ValueError(f"quantize_operands: recipe {recipe!r} is not granular; use "
+                         "'rowwise' or 'blockwise' (tensorwise casts live in fp8.scaling)")
+    if weight:
+        q = quantize_blocks(x, dtype, block=block, **kw)
+        return (q if rows else None), (q.t() if cols else None)
+    return (quantize_tiles(x, dtype, block=block, **kw) if rows else None,
+            quantize_tiles_t(x, dtype, block=block, **kw) if cols else None)
