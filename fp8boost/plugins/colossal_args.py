@@ -1,7 +1,8 @@
 """Colossal-AI plugin arguments that fp8boost takes for compatibility: validation and mapping.
 
-One function per plugin (``gemini_args``, ``hybrid_args``, ``low_level_zero_args``,
-``ddp_args``; ``TorchFSDPPlugin``'s FSDP1 objects: ``colossal_args_fsdp``). Each checks the types,
+One function per plugin (``hybrid_args``, ``low_level_zero_args``, ``ddp_args``;
+``GeminiPlugin``'s: ``colossal_args_gemini.gemini_args``; ``TorchFSDPPlugin``'s FSDP1 objects:
+``colossal_args_fsdp``). Each checks the types,
 raises ``ValueError`` naming the fp8boost alternative for what fp8boost does not support, and
 logs once per process (``fp8boost._state.log_once``, INFO, key ``"colossal-args.<plugin>.<arg>"``)
 what fp8boost does instead when a value that tunes Colossal-AI internals is passed.
@@ -21,7 +22,7 @@ from fp8boost import _state
 logger = logging.getLogger("fp8boost.plugins")
 
 
-def _check_type(name: str, value: object, kinds: tuple[type, ...], what: str) -> None:
+def check_type(name: str, value: object, kinds: tuple[type, ...], what: str) -> None:
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         raise TypeError(f"{name} must be {what}, got {value!r}")
 
@@ -29,70 +30,6 @@ def _check_type(name: str, value: object, kinds: tuple[type, ...], what: str) ->
 def log_info(plugin: str, name: str, message: str) -> None:
     _state.log_once(logger, f"colossal-args.{plugin}.{name}", f"fp8boost: {message}",
                     level=logging.INFO)
-
-
-def gemini_args(*, shard_param_frac: float, placement_policy: str, max_prefetch: int,
-                enable_async_reduce: bool, warmup_non_model_data_ratio: float,
-                enable_fused_normalization: bool, enable_flash_attention: bool,
-                tp_size: int, extra_dp_size: int) -> None:
-    """Validate Colossal-AI's extra ``GeminiPlugin`` arguments (no collectives)."""
-    _check_type("shard_param_frac", shard_param_frac, (int, float), "a number")
-    _check_type("placement_policy", placement_policy, (str,), '"static" or "auto"')
-    _check_type("max_prefetch", max_prefetch, (int,), "an int >= 0")
-    _check_type("enable_async_reduce", enable_async_reduce, (bool,), "True or False")
-    _check_type("warmup_non_model_data_ratio", warmup_non_model_data_ratio, (int, float),
-                "a number")
-    _check_type("enable_fused_normalization", enable_fused_normalization, (bool,),
-                "True or False")
-    _check_type("enable_flash_attention", enable_flash_attention, (bool,), "True or False")
-    _check_type("tp_size", tp_size, (int,), "an int >= 1")
-    _check_type("extra_dp_size", extra_dp_size, (int,), "an int >= 1")
-    if tp_size < 1 or extra_dp_size < 1:
-        raise ValueError(f"tp_size and extra_dp_size must be >= 1, got tp_size={tp_size}, "
-                         f"extra_dp_size={extra_dp_size}")
-    if tp_size > 1 or extra_dp_size > 1:
-        raise ValueError(
-            f"GeminiPlugin(tp_size={tp_size}, extra_dp_size={extra_dp_size}): fp8boost's "
-            "GeminiPlugin shards over all ranks (ZeRO-3) without tensor parallelism or an extra "
-            "data-parallel group; use HybridParallelPlugin(tp_size=..., zero_stage=...) "
-            "instead (tensor parallelism with ZeRO across the replicas)")
-    if shard_param_frac != 1.0:
-        raise ValueError(
-            f"shard_param_frac={shard_param_frac}: fp8boost's GeminiPlugin shards every "
-            "parameter (FSDP2, ZeRO-3) and cannot keep part of them replicated; use "
-            "shard_param_frac=1.0, or LowLevelZeroPlugin for unsharded parameters")
-    if placement_policy not in ("static", "auto"):
-        raise ValueError(f'placement_policy must be "static" or "auto", got {placement_policy!r}')
-    if max_prefetch < 0:
-        raise ValueError(f"max_prefetch must be an int >= 0, got {max_prefetch!r}")
-    if not 0.0 <= warmup_non_model_data_ratio <= 1.0:
-        raise ValueError("warmup_non_model_data_ratio must be a number in [0, 1], got "
-                         f"{warmup_non_model_data_ratio!r}")
-    if placement_policy == "auto":
-        log_info("gemini", "placement_policy",
-              'placement_policy="auto" is not used: fp8boost places parameters, gradients and '
-              "optimizer state by offload_optim_frac/offload_param_frac (0.0: GPU, 1.0: CPU "
-              "through FSDP2's CPUOffloadPolicy)")
-    if max_prefetch != 0:
-        log_info("gemini", "max_prefetch",
-              f"max_prefetch={max_prefetch} is not used: FSDP2 prefetches the next block's "
-              "all-gather itself")
-    if enable_async_reduce is not True:
-        log_info("gemini", "enable_async_reduce",
-              "enable_async_reduce=False is not used: FSDP2's reduce-scatter always overlaps "
-              "backward")
-    if warmup_non_model_data_ratio != 0.8:
-        log_info("gemini", "warmup_non_model_data_ratio",
-              f"warmup_non_model_data_ratio={warmup_non_model_data_ratio} is not used: it tunes "
-              "Colossal-AI's auto placement; fp8boost places by the offload fractions")
-    if enable_fused_normalization:
-        log_info("gemini", "enable_fused_normalization",
-              "enable_fused_normalization=True changes nothing: fp8boost runs the model's own "
-              "normalization layers")
-    if enable_flash_attention:
-        log_info("gemini", "enable_flash_attention",
-              "enable_flash_attention=True changes nothing: fp8boost runs the model's own "
-              "attention (SDPA, which uses flash attention through PyTorch)")
 
 
 # ------------------------------------------------------------------------- loss scaling
@@ -112,8 +49,8 @@ def loss_scale_args(plugin: str, precision: str, *, min_scale: float, growth_fac
     """
     for name, value in (("min_scale", min_scale), ("growth_factor", growth_factor),
                         ("backoff_factor", backoff_factor), ("max_scale", max_scale)):
-        _check_type(name, value, (int, float), "a number")
-    _check_type("hysteresis", hysteresis, (int,), "an int >= 1")
+        check_type(name, value, (int, float), "a number")
+    check_type("hysteresis", hysteresis, (int,), "an int >= 1")
     if hysteresis < 1:
         raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
     if not growth_factor > 1.0:
@@ -165,7 +102,7 @@ def _check_comm_dtype(plugin: str, communication_dtype: object, precision: str) 
 
 def check_bools(**values: object) -> None:
     for name, value in values.items():
-        _check_type(name, value, (bool,), "True or False")
+        check_type(name, value, (bool,), "True or False")
 
 
 def log_tuning(plugin: str, rows) -> None:
@@ -207,14 +144,14 @@ def hybrid_args(*, tp_size: int, pp_size: int, pp_style: str, precision: str,
     """
     check_bools(parallel_output=parallel_output, **{k: v for k, v in tuning.items()
                                                      if k != "ddp_bucket_cap_mb"})
-    _check_type("ddp_bucket_cap_mb", tuning["ddp_bucket_cap_mb"], (int, float), "a number > 0")
-    _check_type("make_vocab_size_divisible_by", make_vocab_size_divisible_by, (int,),
+    check_type("ddp_bucket_cap_mb", tuning["ddp_bucket_cap_mb"], (int, float), "a number > 0")
+    check_type("make_vocab_size_divisible_by", make_vocab_size_divisible_by, (int,),
                 "an int >= 1")
     if make_vocab_size_divisible_by < 1:
         raise ValueError("make_vocab_size_divisible_by must be an int >= 1, got "
                          f"{make_vocab_size_divisible_by!r}")
     if inner_ring_size is not None:
-        _check_type("inner_ring_size", inner_ring_size, (int,), "an int >= 1 or None")
+        check_type("inner_ring_size", inner_ring_size, (int,), "an int >= 1 or None")
         if inner_ring_size < 1:
             raise ValueError(f"inner_ring_size must be an int >= 1 or None, got {inner_ring_size}")
     bucket = _zero_bucket(reduce_bucket_size_in_m, zero_bucket_size_in_m)
@@ -309,9 +246,9 @@ def low_level_zero_args(*, precision: str, norm_type: float, communication_dtype
                         overlap_allgather: bool, verbose: bool, cast_inputs: bool,
                         extra_dp_size: int) -> None:
     """Validate Colossal-AI's extra ``LowLevelZeroPlugin`` arguments (no collectives)."""
-    _check_type("norm_type", norm_type, (int, float), "a number")
+    check_type("norm_type", norm_type, (int, float), "a number")
     check_bools(overlap_allgather=overlap_allgather, verbose=verbose, cast_inputs=cast_inputs)
-    _check_type("extra_dp_size", extra_dp_size, (int,), "an int >= 1")
+    check_type("extra_dp_size", extra_dp_size, (int,), "an int >= 1")
     if extra_dp_size < 1:
         raise ValueError(f"extra_dp_size must be an int >= 1, got {extra_dp_size!r}")
     if norm_type != 2.0:

@@ -1,6 +1,7 @@
 """Issue 25 item 2: Colossal-AI's arguments of HybridParallelPlugin, LowLevelZeroPlugin,
 TorchDDPPlugin and TorchFSDPPlugin are accepted (constructing a plugin is enough: no
-collectives). Signature parity is against Colossal-AI v0.5.0, commit
+collectives); GeminiPlugin's are pinned in test_colossal_plugin_args.py, its signature parity
+here. Signature parity is against Colossal-AI v0.5.0, commit
 4f9953be335ef371b3848719ddafe596c01ecd37 (colossalai/booster/plugin/*.py)."""
 import inspect
 import logging
@@ -12,8 +13,8 @@ import torch.distributed as dist
 from fp8boost import _state
 from fp8boost.colossal.pipeline.schedule.v_schedule import PipelineGraph
 from fp8boost.colossal.shardformer import PipelineGradientCheckpointConfig
-from fp8boost.plugins import (HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin,
-                              TorchFSDPPlugin)
+from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
+                              TorchDDPPlugin, TorchFSDPPlugin)
 
 LOGGER = "fp8boost.plugins"
 #: Colossal-AI v0.5.0 __init__ parameter names (sp_size: another item of issue 25).
@@ -32,6 +33,15 @@ COLOSSAL = {
         growth_interval hysteresis max_scale max_norm norm_type reduce_bucket_size_in_m
         communication_dtype overlap_communication overlap_allgather cpu_offload master_weights
         verbose cast_inputs fp8_communication use_fp8 extra_dp_size""",
+    GeminiPlugin: """chunk_config_dict chunk_init_device placement_policy
+        enable_gradient_accumulation max_prefetch shard_param_frac offload_optim_frac
+        offload_param_frac warmup_non_model_data_ratio steady_cuda_cap_ratio precision
+        master_weights pin_memory force_outputs_fp32 strict_ddp_mode search_range_m hidden_dim
+        min_chunk_size_m memstats gpu_margin_mem_ratio initial_scale min_scale growth_factor
+        backoff_factor growth_interval hysteresis max_scale max_norm norm_type tp_size
+        extra_dp_size enable_all_optimization enable_fused_normalization enable_flash_attention
+        enable_sequence_parallelism enable_jit_fused enable_async_reduce use_fp8 verbose
+        fp8_communication""",
     TorchDDPPlugin: """broadcast_buffers bucket_cap_mb find_unused_parameters check_reduction
         gradient_as_bucket_view static_graph fp8_communication""",
     TorchFSDPPlugin: """process_group sharding_strategy cpu_offload auto_wrap_policy
