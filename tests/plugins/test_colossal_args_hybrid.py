@@ -17,9 +17,9 @@ from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPl
                               TorchDDPPlugin, TorchFSDPPlugin)
 
 LOGGER = "fp8boost.plugins"
-#: Colossal-AI v0.5.0 __init__ parameter names (sp_size: another item of issue 25).
+#: Colossal-AI v0.5.0 __init__ parameter names.
 COLOSSAL = {
-    HybridParallelPlugin: """tp_size pp_size precision zero_stage enable_all_optimization
+    HybridParallelPlugin: """tp_size pp_size sp_size precision zero_stage enable_all_optimization
         enable_fused_normalization enable_flash_attention enable_jit_fused
         enable_sequence_parallelism sequence_parallelism_mode parallel_output num_microbatches
         microbatch_size initial_scale min_scale growth_factor backoff_factor growth_interval

@@ -69,7 +69,7 @@ BEFORE = {
          ("fp8_communication", False), ("fp8_config", None)),
         {"comm_config": None, "overlap_communication": True, "reduce_bucket_size_in_m": None,
          "cpu_offload": False, "initial_scale": 65536.0, "growth_interval": 1000,
-         "num_microbatches": None, "microbatch_size": None, "pp_style": "1f1b",
+         "sp_size": None, "num_microbatches": None, "microbatch_size": None, "pp_style": "1f1b",
          "num_model_chunks": 1, "num_layers_per_stage": None, "fp8_reduce_scatter": False,
          "enable_all_optimization": False, "enable_fused_normalization": False,
          "enable_flash_attention": False, "enable_jit_fused": False,

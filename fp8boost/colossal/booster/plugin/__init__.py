@@ -1,10 +1,64 @@
 """``colossalai.booster.plugin``: fp8boost's five plugins under Colossal-AI's path.
 
+Each is fp8boost's own plugin class with Colossal-AI's positional order
+(:func:`fp8boost.colossal.positional.with_colossal_order`; the orders are Colossal-AI v0.5.0's,
+commit 4f9953be), so ``GeminiPlugin("cuda", ...)``-style positional calls bind as they do
+there. Keyword calls behave exactly as on ``fp8boost.plugins``.
+
 Example:
     >>> from fp8boost.colossal.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
 """
-from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, Plugin,
-                              TorchDDPPlugin, TorchFSDPPlugin)
+from fp8boost import plugins as _plugins
+from fp8boost.colossal.positional import with_colossal_order
+from fp8boost.plugins import Plugin
+
+ORDERS = {
+    "LowLevelZeroPlugin": (
+        "stage", "precision", "initial_scale", "min_scale", "growth_factor", "backoff_factor",
+        "growth_interval", "hysteresis", "max_scale", "max_norm", "norm_type",
+        "reduce_bucket_size_in_m", "communication_dtype", "overlap_communication",
+        "overlap_allgather", "cpu_offload", "master_weights", "verbose", "cast_inputs",
+        "fp8_communication", "use_fp8", "extra_dp_size"),
+    "GeminiPlugin": (
+        "chunk_config_dict", "chunk_init_device", "placement_policy",
+        "enable_gradient_accumulation", "max_prefetch", "shard_param_frac", "offload_optim_frac",
+        "offload_param_frac", "warmup_non_model_data_ratio", "steady_cuda_cap_ratio",
+        "precision", "master_weights", "pin_memory", "force_outputs_fp32", "strict_ddp_mode",
+        "search_range_m", "hidden_dim", "min_chunk_size_m", "memstats", "gpu_margin_mem_ratio",
+        "initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval",
+        "hysteresis", "max_scale", "max_norm", "norm_type", "tp_size", "extra_dp_size",
+        "enable_all_optimization", "enable_fused_normalization", "enable_flash_attention",
+        "enable_sequence_parallelism", "enable_jit_fused", "enable_async_reduce", "use_fp8",
+        "verbose", "fp8_communication"),
+    "HybridParallelPlugin": (
+        "tp_size", "pp_size", "sp_size", "precision", "zero_stage", "enable_all_optimization",
+        "enable_fused_normalization", "enable_flash_attention", "enable_jit_fused",
+        "enable_sequence_parallelism", "sequence_parallelism_mode", "parallel_output",
+        "num_microbatches", "microbatch_size", "initial_scale", "min_scale", "growth_factor",
+        "backoff_factor", "growth_interval", "hysteresis", "max_scale", "max_norm",
+        "broadcast_buffers", "ddp_bucket_cap_mb", "find_unused_parameters", "check_reduction",
+        "gradient_as_bucket_view", "static_graph", "zero_bucket_size_in_m", "cpu_offload",
+        "communication_dtype", "overlap_communication", "custom_policy", "pp_style",
+        "num_model_chunks", "scheduler_nodes", "num_layers_per_stage",
+        "gradient_checkpoint_config", "enable_metadata_cache", "make_vocab_size_divisible_by",
+        "dp_outside", "overlap_p2p", "overlap_allgather", "fp8_communication", "use_fp8",
+        "inner_ring_size"),
+    "TorchDDPPlugin": (
+        "broadcast_buffers", "bucket_cap_mb", "find_unused_parameters", "check_reduction",
+        "gradient_as_bucket_view", "static_graph", "fp8_communication"),
+    "TorchFSDPPlugin": (
+        "process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy",
+        "backward_prefetch", "mixed_precision", "ignored_modules", "param_init_fn",
+        "sync_module_states", "fp8_communication"),
+}
+"""Colossal-AI v0.5.0's ``__init__`` parameters of each plugin, in order."""
+
+LowLevelZeroPlugin = with_colossal_order(_plugins.LowLevelZeroPlugin, ORDERS["LowLevelZeroPlugin"])
+GeminiPlugin = with_colossal_order(_plugins.GeminiPlugin, ORDERS["GeminiPlugin"])
+HybridParallelPlugin = with_colossal_order(_plugins.HybridParallelPlugin,
+                                           ORDERS["HybridParallelPlugin"])
+TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
+TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"])
 
 __all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
-           "HybridParallelPlugin"]
+           "HybridParallelPlugin", "ORDERS"]

@@ -1,0 +1,52 @@
+"""``fp8boost.colossal``'s Booster and plugins bind positional arguments in Colossal-AI's order
+(v0.5.0, commit 4f9953be), while ``fp8boost.plugins`` keeps its own order (issue 25, item 2)."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch.distributed as dist
+
+import fp8boost.plugins as native
+from fp8boost.booster import Booster as NativeBooster
+from fp8boost.colossal.booster import Booster
+from fp8boost.colossal.booster import plugin as colossal_plugins
+from tests.plugins.test_colossal_args_hybrid import COLOSSAL
+
+
+def _positional(cls) -> list[str]:
+    return [p.name for p in inspect.signature(cls).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+@pytest.mark.parametrize("name", sorted(colossal_plugins.ORDERS))
+def test_positional_order_is_colossal_ais(name):
+    cls = getattr(colossal_plugins, name)
+    order = colossal_plugins.ORDERS[name]
+    assert _positional(cls) == list(order)
+    assert issubclass(cls, getattr(native, name)) and cls.__name__ == name
+    native_cls = getattr(native, name)
+    if native_cls in COLOSSAL:  # the parity list written from Colossal-AI's source
+        assert sorted(order) == sorted(COLOSSAL[native_cls].split())
+    # every fp8boost argument is still there, as a keyword
+    assert set(inspect.signature(cls).parameters) == set(inspect.signature(native_cls).parameters)
+
+
+def test_positional_calls_bind_by_colossal_order():
+    h = colossal_plugins.HybridParallelPlugin(2, 1, None, "bf16", 1)  # tp, pp, sp, precision, zero
+    assert (h.tp_size, h.pp_size, h.precision, h.zero_stage) == (2, 1, "bf16", 1)
+    assert isinstance(h, native.HybridParallelPlugin)
+    z = colossal_plugins.LowLevelZeroPlugin(2, "bf16", 2.0 ** 16)  # stage, precision, initial_scale
+    assert (z.stage, z.precision, z.initial_scale) == (2, "bf16", 2.0 ** 16)
+    g = colossal_plugins.GeminiPlugin(None, None, "static", True)  # ..., enable_grad_accumulation
+    assert g.allow_no_sync is True
+    d = colossal_plugins.TorchDDPPlugin(False, 50)  # broadcast_buffers, bucket_cap_mb
+    assert isinstance(d, native.TorchDDPPlugin)
+    b = Booster("cpu", "bf16")  # device, mixed_precision, plugin
+    assert isinstance(b, NativeBooster) and b.plugin is not None
+    assert _positional(Booster) == ["device", "mixed_precision", "plugin"]
+    with pytest.raises(TypeError, match="multiple values for argument 'tp_size'"):
+        colossal_plugins.HybridParallelPlugin(2, tp_size=2)
+    with pytest.raises(TypeError, match="at most 7 positional"):
+        colossal_plugins.TorchDDPPlugin(*[False] * 8)
+    assert not dist.is_initialized()
