@@ -144,7 +144,7 @@ def _try_blockwise(device: torch.device) -> Optional[str]:
     w = GranularFp8(x.to(torch.float8_e4m3fn), torch.ones(1, 1, device=device), "block", 128)
     try:
         out = blockwise_scaled_mm(q, w, None, torch.float32)
-    except RuntimeError as exc:  # e.g. cuBLASLt < 12.9: "not supported"
+    except (RuntimeError, ValueError, TypeError) as exc:  # e.g. cuBLASLt < 12.9: unsupported
         return f"torch's blockwise scaled_mm failed here ({str(exc).splitlines()[0]})"
     if not bool((out == 128).all()):
         return "torch's blockwise scaled_mm gave a wrong result in the self-test"

@@ -22,6 +22,11 @@ kind       one scale per                        ``inv_scale`` shape
 ``b`` ends in a partial tile or block whose scale comes from its own elements (implemented by
 zero padding, which cannot change an amax), so no shape is refused and none falls back.
 
+Under ``torch.compile`` on CPU (torch 2.13's inductor C++ backend), a partial tile or block
+compiles wrong: that backend miscompiles the element-to-tile index (``torch.compile(lambda:
+torch.arange(200) // 128)()`` is garbage past 128). Eager CPU and full tiles are exact; the
+GPU (Triton) codegen is checked by ``tests/fp8/test_granular_gpu.py``.
+
 Scale math is :func:`fp8boost.fp8.scaling.scale_from_amax`, elementwise: amax 0 gives scale 1,
 a NaN/Inf anywhere in a row/tile/block makes that row/tile/block's scale NaN and so all of its
 FP8 values NaN (visible, and confined to it), the cast saturates in FP32.
