@@ -17,11 +17,15 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence
 
 
-def _colossal_signature(cls: type, order: Sequence[str]) -> inspect.Signature:
-    ours = inspect.signature(cls).parameters
+def _colossal_signature(cls: type, order: Sequence[str],
+                        defaults: Mapping[str, Any]) -> inspect.Signature:
+    ours = dict(inspect.signature(cls).parameters)
+    for name, value in defaults.items():
+        ours[name] = ours[name].replace(default=value)
     missing = [n for n in order if n not in ours]
     if missing:  # a programming error in this package, caught by its tests
         raise TypeError(f"{cls.__name__} does not take Colossal-AI's {missing}")
@@ -31,15 +35,17 @@ def _colossal_signature(cls: type, order: Sequence[str]) -> inspect.Signature:
     return inspect.Signature(params + sorted(rest, key=lambda p: p.kind))
 
 
-def with_colossal_order(cls: type, order: Sequence[str]) -> type:
+def with_colossal_order(cls: type, order: Sequence[str],
+                        defaults: Optional[Mapping[str, Any]] = None) -> type:
     """A subclass of ``cls`` whose positional arguments follow ``order`` (Colossal-AI's).
 
     Positional arguments are bound to ``order`` by position and passed on as keywords;
     more positionals than ``order`` has, or a name given both ways, raise ``TypeError`` as
-    Python does.
+    Python does. ``defaults`` are Colossal-AI's defaults where they differ from fp8boost's
+    (applied when the argument is not given; the signature shows them).
     """
-    order = tuple(order)
-    signature = _colossal_signature(cls, order)
+    order, defaults = tuple(order), dict(defaults or {})
+    signature = _colossal_signature(cls, order, defaults)
 
     def __init__(self, *args, **kwargs):  # noqa: N807 - the constructor of the subclass
         if len(args) > len(order):
@@ -49,12 +55,12 @@ def with_colossal_order(cls: type, order: Sequence[str]) -> type:
             if name in kwargs:
                 raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
             kwargs[name] = value
-        cls.__init__(self, **kwargs)
+        cls.__init__(self, **{**defaults, **kwargs})
 
     __init__.__signature__ = inspect.Signature(
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
          *signature.parameters.values()])
     namespace = {"__init__": __init__, "__doc__": cls.__doc__, "__signature__": signature,
                  "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "colossal_order": order}
+                 "colossal_order": order, "colossal_defaults": MappingProxyType(defaults)}
     return type(cls.__name__, (cls,), namespace)

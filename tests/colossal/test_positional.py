@@ -50,3 +50,12 @@ def test_positional_calls_bind_by_colossal_order():
     with pytest.raises(TypeError, match="at most 7 positional"):
         colossal_plugins.TorchDDPPlugin(*[False] * 8)
     assert not dist.is_initialized()
+
+
+def test_colossal_defaults_where_the_meaning_differs():
+    z = colossal_plugins.LowLevelZeroPlugin()
+    assert (z.stage, z.initial_scale) == (1, 2.0 ** 32)  # Colossal-AI's ZeRO-1 and fp16 scale
+    assert native.LowLevelZeroPlugin().stage == 2  # fp8boost's own default is unchanged
+    assert colossal_plugins.LowLevelZeroPlugin(stage=2).stage == 2
+    sig = inspect.signature(colossal_plugins.LowLevelZeroPlugin).parameters
+    assert sig["stage"].default == 1 and sig["precision"].default == "bf16"

@@ -53,7 +53,16 @@ ORDERS = {
 }
 """Colossal-AI v0.5.0's ``__init__`` parameters of each plugin, in order."""
 
-LowLevelZeroPlugin = with_colossal_order(_plugins.LowLevelZeroPlugin, ORDERS["LowLevelZeroPlugin"])
+DEFAULTS = {
+    "LowLevelZeroPlugin": {"stage": 1, "initial_scale": 2.0 ** 32},
+}
+"""Colossal-AI's defaults where fp8boost's own differ in meaning. Kept as fp8boost's: ``precision``
+(``"bf16"`` here, ``"fp16"`` there: FP8 GEMMs on Hopper want BF16, which needs no loss
+scaling), the ZeRO bucket size (None: fp8boost's measured choice, 12 MB there) and DDP's
+``gradient_as_bucket_view`` (True here: one gradient copy less, same numbers)."""
+
+LowLevelZeroPlugin = with_colossal_order(_plugins.LowLevelZeroPlugin, ORDERS["LowLevelZeroPlugin"],
+                                         DEFAULTS["LowLevelZeroPlugin"])
 GeminiPlugin = with_colossal_order(_plugins.GeminiPlugin, ORDERS["GeminiPlugin"])
 HybridParallelPlugin = with_colossal_order(_plugins.HybridParallelPlugin,
                                            ORDERS["HybridParallelPlugin"])
@@ -61,4 +70,4 @@ TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPl
 TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"])
 
 __all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
-           "HybridParallelPlugin", "ORDERS"]
+           "HybridParallelPlugin", "ORDERS", "DEFAULTS"]
