@@ -87,6 +87,9 @@ class FsdpPluginBase(Plugin):
         elif self._lazy:
             wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device,
                                shard_rank=mesh.get_local_rank())
+        if self._lazy:  # from_pretrained in LazyInitContext: each rank reads its shards' slices
+            from .checkpoint_io.pretrained import load_remembered
+            load_remembered(model)
         self._fp8_reduce_scatter(model)
         return model
 

@@ -82,10 +82,12 @@ def materialize_replica(model: nn.Module, optimizer, device: torch.device) -> No
     ``_init_weights``, else ``reset_parameters``) drawn from a seed taken from the global RNG,
     so ranks seeded alike agree (and ``parallelize`` broadcasts rank 0's replica anyway);
     meta buffers are rebuilt as construction makes them (rotary ``inv_freq``); tied parameters
-    stay tied. ``optimizer``'s param groups are pointed at the new parameters. Nothing happens
-    for a real model.
+    stay tied. ``optimizer``'s param groups are pointed at the new parameters. A model built
+    by ``from_pretrained`` inside ``LazyInitContext`` then reads its checkpoint
+    (``checkpoint_io.pretrained.load_remembered``). Nothing happens for a real model.
     """
     from fp8boost.parallel.fsdp import wiring
+    from .checkpoint_io.pretrained import load_remembered
 
     if not wiring.on_meta(model):
         return
@@ -99,6 +101,7 @@ def materialize_replica(model: nn.Module, optimizer, device: torch.device) -> No
         for name in others:
             mod_name, _, pname = name.rpartition(".")
             setattr(model.get_submodule(mod_name), pname, tied)
+    load_remembered(model)
     if optimizer is not None:
         new = dict(model.named_parameters(remove_duplicate=False))
         for group in optimizer.param_groups:

@@ -1,5 +1,6 @@
 """LazyInitContext: meta-device construction, materialization (standalone and at boost, one
-process, every plugin), load_model filling a lazily built model, and bad uses.
+process, every plugin), load_model filling a lazily built model, bad uses, and
+``from_pretrained`` inside the context (weights read at materialization, bit-equal to eager).
 
 The in-process boosts start fp8boost's one-process gloo group; the fixture destroys it so no
 later test finds a group it did not start.
@@ -149,3 +150,97 @@ def test_boost_materializes_trains_and_load_model_fills(group, tmp_path, plugin_
         assert torch.equal(got, want), (got - want).abs().max()
     else:  # TorchFSDPPlugin computes in bf16 by default
         assert torch.allclose(got.float(), want, atol=2e-2), (got.float() - want).abs().max()
+
+
+# ------------------------------------------------------- from_pretrained inside the context
+def _saved(tmp_path, seed: int = 1, **kw) -> str:
+    _llama(lazy=False, seed=seed, **kw).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_from_pretrained_in_context_builds_on_meta_and_materialize_loads(tmp_path):
+    """Colossal-LLaMA's ``with LazyInitContext(): AutoModelForCausalLM.from_pretrained(...)``:
+    nothing is read inside the context, the method is restored on exit (also on an exception),
+    and ``materialize`` fills the model bit-exactly as eager ``from_pretrained`` (ties kept)."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    path = _saved(tmp_path, tie_word_embeddings=True)
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    with LazyInitContext():
+        assert PreTrainedModel.__dict__["from_pretrained"] is not original
+        lazy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    assert PreTrainedModel.__dict__["from_pretrained"] is original
+    assert all(t.is_meta for t in [*lazy.parameters(), *lazy.buffers()])
+    assert not lazy.training  # eval mode, as from_pretrained leaves it
+    with pytest.raises(ZeroDivisionError):
+        with LazyInitContext():
+            1 / 0
+    assert PreTrainedModel.__dict__["from_pretrained"] is original
+    with LazyInitContext(), pytest.raises(ValueError, match="device_map"):
+        AutoModelForCausalLM.from_pretrained(path, device_map="cpu")
+    assert PreTrainedModel.__dict__["from_pretrained"] is original
+    eager = AutoModelForCausalLM.from_pretrained(path)
+    assert LazyInitContext.materialize(lazy) is lazy
+    assert lazy.lm_head.weight is lazy.model.embed_tokens.weight
+    got, want = lazy.state_dict(), eager.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(lazy(input_ids=ids).logits, eager(input_ids=ids).logits)
+
+
+PRETRAINED_PLUGINS = {
+    "LowLevelZeroPlugin": dict(stage=2),
+    "TorchDDPPlugin": {},
+    "HybridParallelPlugin": dict(tp_size=1, pp_size=1),
+    "GeminiPlugin": {},
+}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("plugin_name", list(PRETRAINED_PLUGINS))
+def test_boost_loads_lazy_from_pretrained(group, tmp_path, plugin_name, dtype):
+    """Lazy ``from_pretrained`` -> optimizer -> boost: every parameter equals eager
+    ``from_pretrained``'s (its upcast where the plugin keeps FP32), bit for bit, and the
+    logits equal those of the eager model boosted alike (of the plain eager model in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8boost.colossal.booster import Booster
+    from fp8boost.colossal.booster import plugin as plugins
+    from fp8boost.colossal.nn.optimizer import HybridAdam
+
+    path = _saved(tmp_path)
+    kw = {} if dtype is None else dict(torch_dtype=dtype)
+    options = dict(PRETRAINED_PLUGINS[plugin_name])
+    if plugin_name != "TorchDDPPlugin":
+        options["precision"] = "fp32" if dtype is None else "bf16"
+
+    def boosted(lazy: bool):
+        if lazy:
+            with LazyInitContext(default_device="cpu"):
+                model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw)
+            assert all(p.is_meta for p in model.parameters())
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        model.train()
+        optimizer = HybridAdam(model.parameters(), lr=1e-2)
+        booster = Booster(plugin=getattr(plugins, plugin_name)(**options))
+        return booster.boost(model, optimizer)[0]
+
+    model = boosted(lazy=True)
+    eager = AutoModelForCausalLM.from_pretrained(path, **kw)
+    state = model.unwrap().state_dict()
+    for name, want in eager.state_dict().items():
+        got = state[name]
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        assert got.dtype in (want.dtype, torch.float32), (name, got.dtype)
+        assert torch.equal(got, want.to(got.dtype)), name  # exactly representable: bit-equal
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        if dtype is None:
+            want = eager(input_ids=ids).logits
+        else:  # bf16 compute: the eager model through the same plugin
+            want = boosted(lazy=False)(input_ids=ids).logits
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()

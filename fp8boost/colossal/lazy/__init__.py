@@ -19,6 +19,23 @@ Buffers no checkpoint holds (rotary ``inv_freq``) are rebuilt exactly as eager c
 makes them; tied parameters stay tied. For exact weights, ``booster.load_model(model, folder)``
 after ``boost``, as Colossal-AI scripts do.
 
+``from_pretrained`` inside the context (Colossal-LLaMA's ``with LazyInitContext(...): model =
+AutoModelForCausalLM.from_pretrained(path, torch_dtype=...)``): while the context is active,
+``transformers.PreTrainedModel.from_pretrained`` (where every ``AutoModel*.from_pretrained``
+ends) is replaced by one that builds the model on the meta device exactly as ``from_pretrained``
+would (its own config, dtype, ``_keep_in_fp32_modules``, ties, ``eval()`` mode, generation
+config) without reading a weight, and notes the checkpoint folder and each tensor's dtype on
+the model. The weights are read when the model is materialized, right after its
+initialisation: in ``build_model`` for the replica plugins (each rank reads every tensor), by
+the FSDP plugins after ``fully_shard`` (each rank reads only the slices of its own shards), and
+by :meth:`LazyInitContext.materialize` (see ``fp8boost.plugins.checkpoint_io.pretrained``). Each
+tensor is rounded through the dtype ``from_pretrained`` built it in, so the boosted parameters
+equal those of eager ``from_pretrained`` followed by ``boost``, bit for bit. Safetensors
+checkpoints only (a local folder or one the Hub cache holds); ``device_map``,
+``quantization_config``, ``gguf_file``, ``state_dict``, tensor-parallel arguments and adapter
+folders are refused inside the context. The original method is put back on exit, also when
+the block raises.
+
 Example:
     >>> import torch
     >>> from fp8boost.colossal.lazy import LazyInitContext
@@ -31,6 +48,7 @@ Example:
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Optional, Union
 
@@ -42,6 +60,12 @@ __all__ = ["LazyInitContext", "LazyTensor"]
 #: the attribute (on every module that registered a parameter in the context) naming the
 #: device ``LazyInitContext.materialize`` allocates on
 DEVICE_MARK = "fp8boost_lazy_init_device"
+
+#: ``from_pretrained`` arguments the lazy ``from_pretrained`` refuses (they place, quantize,
+#: split or pick weight files in ways the deferred safetensors read does not follow)
+REFUSED_PRETRAINED_ARGS = ("device_map", "quantization_config", "gguf_file", "state_dict",
+                           "tp_plan", "tp_size", "distributed_config", "max_memory",
+                           "offload_folder", "variant")
 
 
 class LazyTensor:
@@ -92,14 +116,23 @@ class LazyInitContext:
         meta = torch.device("meta")
         meta.__enter__()
         hook = nn.modules.module.register_module_parameter_registration_hook(self._registered)
-        self.active = [meta, hook]
+        try:
+            restore = _patch_from_pretrained()
+        except BaseException:
+            hook.remove()
+            meta.__exit__(None, None, None)
+            raise
+        self.active = [meta, hook, restore]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        meta, hook = self.active
+        meta, hook, restore = self.active
         self.active = []
-        hook.remove()
-        meta.__exit__(*exc)
+        try:
+            restore()
+        finally:
+            hook.remove()
+            meta.__exit__(*exc)
         device = self.default_device or torch.device("cpu")
         for module in list(self.modules):
             setattr(module, DEVICE_MARK, device)
@@ -112,7 +145,9 @@ class LazyInitContext:
     def materialize(module: nn.Module, verbose: bool = False) -> nn.Module:
         """Allocate a lazily built ``module`` in place and initialise it; returns it.
 
-        The device is the context's ``default_device`` (the CPU if none). Without a plugin:
+        The device is the context's ``default_device`` (the CPU if none). A model built by
+        ``from_pretrained`` inside the context then reads its checkpoint (every tensor whole,
+        in the dtype ``from_pretrained`` would give it). Without a plugin:
         an optimizer built on the meta parameters keeps them, so build it afterwards.
 
         Args:
@@ -140,7 +175,62 @@ class LazyInitContext:
         device = next((getattr(m, DEVICE_MARK) for m in module.modules()
                        if hasattr(m, DEVICE_MARK)), torch.device("cpu"))
         numel = sum(p.numel() for p in module.parameters() if p.is_meta)
-        materialize_replica(module, None, device)
+        materialize_replica(module, None, device)  # reads a lazy from_pretrained's weights too
         if verbose:
             print(f"LazyInitContext: materialized {numel} parameter elements on {device}")
         return module
+
+
+def _patch_from_pretrained():
+    """Replace ``PreTrainedModel.from_pretrained`` by :func:`_lazy_from_pretrained`; returns
+    the function that puts the original back (a no-op without transformers)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return lambda: None
+    original = PreTrainedModel.__dict__["from_pretrained"]  # the classmethod object itself
+
+    def lazy(cls, pretrained_model_name_or_path, *args, **kwargs):
+        return _lazy_from_pretrained(original.__func__, cls, pretrained_model_name_or_path,
+                                     *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(lazy)
+
+    def restore() -> None:
+        PreTrainedModel.from_pretrained = original
+
+    return restore
+
+
+def _lazy_from_pretrained(original, cls, path, *args, **kwargs):
+    """``from_pretrained`` on the meta device: transformers builds the model as it would
+    (``device_map="meta"`` reads no weight), and the checkpoint folder is noted on it for
+    :func:`fp8boost.plugins.checkpoint_io.pretrained.load_remembered`."""
+    from fp8boost.plugins.checkpoint_io.pretrained import remember
+
+    refused = [k for k in REFUSED_PRETRAINED_ARGS if kwargs.get(k) is not None]
+    if refused:
+        raise ValueError(f"from_pretrained inside LazyInitContext does not take {refused}: "
+                         "the weights are read at booster.boost (or LazyInitContext.materialize);"
+                         " call from_pretrained outside the context to use them")
+    kwargs = {k: v for k, v in kwargs.items() if k not in REFUSED_PRETRAINED_ARGS}  # all None
+    if path is None:
+        raise ValueError("from_pretrained inside LazyInitContext needs a checkpoint path")
+    subfolder = kwargs.get("subfolder") or ""
+    local = os.path.join(os.fspath(path), subfolder)
+    if os.path.isfile(os.path.join(local, "adapter_config.json")):
+        raise ValueError(f"{local} is an adapter (PEFT) folder: LazyInitContext loads base "
+                         "models only; load the base model lazily, then apply the adapter")
+    out = original(cls, path, *args, device_map="meta", **kwargs)
+    model = out[0] if isinstance(out, tuple) else out
+    if os.path.isdir(local):
+        folder = local
+    else:  # a Hub id: from_pretrained has fetched it into the cache
+        from transformers.utils import cached_file
+
+        config_file = cached_file(os.fspath(path), "config.json", subfolder=subfolder,
+                                  cache_dir=kwargs.get("cache_dir"),
+                                  revision=kwargs.get("revision"), token=kwargs.get("token"))
+        folder = os.path.dirname(config_file)
+    remember(model, folder)
+    return out

@@ -17,7 +17,7 @@ import json
 import os
 import struct
 from types import MappingProxyType
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import safetensors
 import torch
@@ -328,11 +328,14 @@ def _cut(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
 
 
-def read_sharded(module: nn.Module, directory: str, strict: bool = True) -> None:
+def read_sharded(module: nn.Module, directory: str, strict: bool = True,
+                 dtypes: Optional[Mapping[str, torch.dtype]] = None) -> None:
     """Fill ``module``'s parameters and persistent buffers from an HF folder, in place.
 
     Keys and shapes are checked against the model before anything is copied. Each DTensor
-    receives only its local shard, read as a slice. Not collective.
+    receives only its local shard, read as a slice. Not collective. ``dtypes`` (``{key:
+    dtype}``): each tensor read for such a key is cast to that dtype before it is copied in
+    (the rounding ``from_pretrained(torch_dtype=...)`` applies, whatever the model's dtype now).
     """
     files = checkpoint_files(directory)
     own = module.state_dict(keep_vars=True)
@@ -355,6 +358,8 @@ def read_sharded(module: nn.Module, directory: str, strict: bool = True) -> None
                     part, whole = _read_local(reader.file(where[key]), key, t)
                 if whole:
                     part = _cut(part, t)
+                if dtypes is not None and key in dtypes:
+                    part = part.to(dtypes[key])
                 dst = local_of(t)
                 if tuple(part.shape) != tuple(dst.shape):
                     raise RuntimeError(f"{key}: read a {tuple(part.shape)} piece for a local shard "
