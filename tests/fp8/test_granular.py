@@ -302,6 +302,16 @@ def test_recomputed_weight_operand_gives_the_same_gradients(name):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_empty_batch(name):
+    cfg = Fp8Config.from_recipe(name, backend="emulated")
+    x = torch.randn(0, 200, requires_grad=True)
+    w = torch.randn(150, 200, requires_grad=True)
+    y = granular_linear(x, w, None, cfg, "emulated")
+    y.sum().backward()
+    assert y.shape == (0, 150) and x.grad.shape == (0, 200) and (w.grad == 0).all()
+
+
 def test_granular_linear_rejects_bad_input():
     w = torch.randn(8, 16)
     with pytest.raises(ValueError, match="tensorwise/delayed run in Fp8LinearFunction"):

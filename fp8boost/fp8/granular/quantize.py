@@ -134,11 +134,11 @@ def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 1
     _check_2d(x, block)
     r, c = x.shape
     xp = _pad_cols(x, block)
-    tiles = xp.reshape(r, -1, block)
+    tiles = xp.reshape(r, xp.shape[1] // block, block)  # explicit: r may be 0
     a = tiles.detach().abs().amax(dim=2).float() if tiles.numel() else \
         torch.zeros(r, tiles.shape[1], device=x.device)
     scale = scale_from_amax(a, dtype, margin, power_of_2)
-    data = cast_to_fp8(tiles, scale.unsqueeze(2), dtype).reshape(r, -1)[:, :c]
+    data = cast_to_fp8(tiles, scale.unsqueeze(2), dtype).reshape(r, xp.shape[1])[:, :c]
     return GranularFp8(data.contiguous(), scale.reciprocal(), "tile", block)
 
 
