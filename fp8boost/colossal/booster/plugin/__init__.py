@@ -8,11 +8,13 @@ there. Keyword calls behave exactly as on ``fp8boost.plugins``.
 Example:
     >>> from fp8boost.colossal.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
 """
+from types import MappingProxyType
+
 from fp8boost import plugins as _plugins
 from fp8boost.colossal.positional import with_colossal_order
 from fp8boost.plugins import Plugin
 
-ORDERS = {
+ORDERS = MappingProxyType({
     "LowLevelZeroPlugin": (
         "stage", "precision", "initial_scale", "min_scale", "growth_factor", "backoff_factor",
         "growth_interval", "hysteresis", "max_scale", "max_norm", "norm_type",
@@ -50,12 +52,12 @@ ORDERS = {
         "process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy",
         "backward_prefetch", "mixed_precision", "ignored_modules", "param_init_fn",
         "sync_module_states", "fp8_communication"),
-}
+})
 """Colossal-AI v0.5.0's ``__init__`` parameters of each plugin, in order."""
 
-DEFAULTS = {
-    "LowLevelZeroPlugin": {"stage": 1, "initial_scale": 2.0 ** 32},
-}
+DEFAULTS = MappingProxyType({
+    "LowLevelZeroPlugin": MappingProxyType({"stage": 1, "initial_scale": 2.0 ** 32}),
+})
 """Colossal-AI's defaults where fp8boost's own differ in meaning. Kept as fp8boost's: ``precision``
 (``"bf16"`` here, ``"fp16"`` there: FP8 GEMMs on Hopper want BF16, which needs no loss
 scaling), the ZeRO bucket size (None: fp8boost's measured choice, 12 MB there) and DDP's
