@@ -85,7 +85,35 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--use_fp8", "--use-fp8", action="store_true")
     parser.add_argument("--use_fp8_comm", action="store_true")
+    parser.add_argument("--save_dir", default=None, help="save model/optimizer/lr_scheduler")
+    parser.add_argument("--load_checkpoint", default=None, help="resume from a --save_dir")
     return parser.parse_args()
+
+
+def save_checkpoint(save_dir, booster, model, optimizer, lr_scheduler, lora) -> None:
+    """As Colossal-LLaMA's colossal_llama/utils/ckpt_io.py saves."""
+    if lora:
+        booster.save_lora_as_pretrained(model, os.path.join(save_dir, "modeling"))
+    else:
+        booster.save_model(model, os.path.join(save_dir, "modeling"), shard=True)
+    booster.save_optimizer(optimizer, os.path.join(save_dir, "optimizer"), shard=True)
+    booster.save_lr_scheduler(lr_scheduler, os.path.join(save_dir, "lr_scheduler"))
+
+
+def load_checkpoint(load_dir, booster, model, optimizer, lr_scheduler) -> None:
+    """As Colossal-LLaMA's colossal_llama/utils/ckpt_io.py loads."""
+    booster.load_model(model=model, checkpoint=os.path.join(load_dir, "modeling"))
+    booster.load_optimizer(optimizer=optimizer, checkpoint=os.path.join(load_dir, "optimizer"))
+    booster.load_lr_scheduler(lr_scheduler=lr_scheduler,
+                              checkpoint=os.path.join(load_dir, "lr_scheduler"))
+
+
+@torch.no_grad()
+def eval_loss(model, vocab: int, length: int, device) -> float:
+    """The loss of one fixed batch (a resumed run must see what the saving run saw)."""
+    ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(7))
+    ids = ids.to(device)
+    return model(input_ids=ids, labels=ids)[0].item()
 
 
 def build_plugin(args: argparse.Namespace):
@@ -157,6 +185,34 @@ def main() -> None:
 
     pipelined = isinstance(plugin, HybridParallelPlugin) and args.pp > 1
     device = get_accelerator().get_current_device()
+    if args.load_checkpoint:
+        load_checkpoint(args.load_checkpoint, booster, model, optimizer, lr_scheduler)
+        if not pipelined:
+            loss = eval_loss(model, vocab, args.max_length, device)
+            coordinator.print_on_master(json.dumps({"plugin": args.plugin, "eval_start": loss}))
+    train(args, plugin, booster, model, optimizer, lr_scheduler, dataloader, coordinator)
+    if args.save_dir:
+        if not pipelined:
+            loss = eval_loss(model, vocab, args.max_length, device)
+            coordinator.print_on_master(json.dumps({"plugin": args.plugin, "eval_end": loss}))
+        save_checkpoint(args.save_dir, booster, model, optimizer, lr_scheduler, args.lora)
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    fp8 = [m for m in linear if type(m).__name__ == "Fp8Linear"]
+    if dist.get_rank() == 0:
+        print(json.dumps({"plugin": args.plugin, "fp8_layers": len(fp8),
+                          "linear_layers": len(linear)}), flush=True)
+    if args.lora:
+        booster.save_lora_as_pretrained(
+            model, os.path.join(tempfile.gettempdir(), f"colossal_script_lora_{args.plugin}"))
+    coordinator.block_all()
+    coordinator.print_on_master("colossal script done")
+    coordinator.destroy()
+
+
+def train(args, plugin, booster, model, optimizer, lr_scheduler, dataloader, coordinator):
+    """Colossal-AI's benchmark loop: execute_pipeline at pp > 1, else forward + backward."""
+    pipelined = isinstance(plugin, HybridParallelPlugin) and args.pp > 1
+    device = get_accelerator().get_current_device()
     data_iter = iter(dataloader)
     for step in range(1, args.num_steps + 1):
         lr = optimizer.param_groups[0]["lr"]
@@ -180,17 +236,6 @@ def main() -> None:
             value = loss.item()  # waits for the step's kernels
             print(json.dumps({"plugin": args.plugin, "step": step, "loss": value, "lr": lr,
                               "sec": time.perf_counter() - start}), flush=True)
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    fp8 = [m for m in linear if type(m).__name__ == "Fp8Linear"]
-    if dist.get_rank() == 0:
-        print(json.dumps({"plugin": args.plugin, "fp8_layers": len(fp8),
-                          "linear_layers": len(linear)}), flush=True)
-    if args.lora:
-        booster.save_lora_as_pretrained(
-            model, os.path.join(tempfile.gettempdir(), f"colossal_script_lora_{args.plugin}"))
-    coordinator.block_all()
-    coordinator.print_on_master("colossal script done")
-    coordinator.destroy()
 
 
 if __name__ == "__main__":
