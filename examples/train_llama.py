@@ -57,6 +57,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fp8boost.batch_checks import check_lm_batch  # noqa: E402
+from fp8boost.fp8.config import NAMED_RECIPES  # noqa: E402
 
 import checkpointing  # noqa: E402
 import data as data_lib  # noqa: E402
@@ -168,9 +169,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "loss scaling); --use-fp8 adds FP8 GEMMs on top of bf16")
     g.add_argument("--use-fp8", action="store_true", help="run linear-layer GEMMs in FP8")
     g.add_argument("--fp8-comm", action="store_true", help="FP8 gradient/parameter communication")
-    g.add_argument("--fp8-recipe", default="tensorwise",
-                   choices=("tensorwise", "tensorwise_pow2", "delayed", "tensorwise_e4m3"),
-                   help="FP8 scaling recipe (Fp8Config.from_recipe) for --use-fp8")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=tuple(NAMED_RECIPES),
+                   help="FP8 scaling recipe (Fp8Config.from_recipe) for --use-fp8: per tensor "
+                        "(tensorwise*, delayed), per row (rowwise, rowwise_with_gw_hp: BF16 "
+                        "weight gradient) or DeepSeek-V3 blocks (blockwise, blockwise_pow2)")
     g.add_argument("--fp8-min-numel", type=int, default=None,
                    help="linear layers with fewer weight elements stay BF16 (default: the library's "
                         "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")

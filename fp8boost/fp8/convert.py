@@ -18,8 +18,9 @@ from torch import nn
 
 from fp8boost import _state
 
-from .config import DEFAULT_MIN_NUMEL, Fp8Config
+from .config import DEFAULT_MIN_NUMEL, GRANULAR_RECIPES, Fp8Config
 from .linear import Fp8Linear, Fp8LinearFunction
+from .linear_granular import granular_forward
 from .prequantized import Fp8WeightTensor, dequantize_weight
 from .scaling import Fp8Tensor
 
@@ -208,7 +209,7 @@ class Fp8Conv1D(Fp8Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Conv1D expected last dim {self.in_features}, got "
                              f"{tuple(x.shape)}")
-        self.resolve_backend(x.device)
+        backend = self.resolve_backend(x.device)
         weight = self.weight
         if isinstance(weight, Fp8WeightTensor):
             weight = dequantize_weight(weight)
@@ -216,7 +217,10 @@ class Fp8Conv1D(Fp8Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         # The Function returns the weight gradient as [out, in]; passing the transposed view
         # lets autograd hand the [in, out] Parameter its gradient in its own layout.
-        y = Fp8LinearFunction.apply(x2d, weight.t(), bias, self)  # Fp8Linear's own GEMMs
+        if self.fp8_config.recipe in GRANULAR_RECIPES:  # rowwise/blockwise: no cache kept
+            y = granular_forward(x2d, weight.t(), bias, self.fp8_config, backend)
+        else:
+            y = Fp8LinearFunction.apply(x2d, weight.t(), bias, self)  # Fp8Linear's own GEMMs
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -9,19 +9,17 @@ as Hopper FP8 tensor cores require:
 
 So each cast emits the row-major copy and, when backward needs it, the transposed copy in one
 pass. Backward saves ``xq_t`` (1 byte/element), never the BF16 input. Bias stays in high
-precision. From the second forward of an unchanged weight on (micro-batches, gradient
-accumulation, activation recomputation), its cast is cached and reused; with one forward per
-step nothing is kept, since the cached row-major copy would only pin memory until the step.
-Any optimizer step (a global ``torch.optim`` step hook: fused optimizers do not bump version
-counters), an in-place write to the Parameter (its version counter) or a new storage
-invalidates it; writes through ``.data`` are invisible: call :func:`invalidate_weight_caches`.
-A frozen weight (``requires_grad=False``, e.g. LoRA's base layer) is cast once, with its
-transpose, and reused across steps (no optimizer steps it), until it is written or loaded.
+precision. The rowwise and blockwise recipes run :func:`~fp8boost.fp8.granular.granular_linear`
+instead (``linear_granular.py`` says what they do not use). From the second forward of an
+unchanged weight on (micro-batches, gradient accumulation, recomputation) its cast is cached;
+with one forward per step nothing is kept. An optimizer step (a global ``torch.optim`` step
+hook), an in-place write to the Parameter (its version counter) or a new storage invalidates
+it; writes through ``.data`` are invisible: call :func:`invalidate_weight_caches`. A frozen
+weight (LoRA's base layer) is cast once, with its transpose, and reused until written/loaded.
 
 A weight that is already FP8 (an :class:`~fp8boost.fp8.prequantized.Fp8WeightTensor`, e.g.
-the unsharded parameter of FSDP2's FP8 all-gather) is used as the GEMM operand directly: no
-amax, no cast, no cache; its transpose for dgrad is made in backward from the bytes present
-then. The weight gradient is still a plain tensor of the weight's dtype.
+FSDP2's FP8 all-gather) is the GEMM operand as is: no amax, no cast, no cache; its transpose
+for dgrad is made in backward. The weight gradient is a plain tensor of the weight's dtype.
 """
 from __future__ import annotations
 
@@ -36,7 +34,8 @@ from fp8boost import _state
 from . import shared_cast
 from .backend_base import Fp8Backend
 from .backends import get_backend
-from .config import Fp8Config
+from .config import GRANULAR_RECIPES, Fp8Config
+from .linear_granular import granular_forward, weight_operands
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
                            fp8_input_operand, fp8_operand_mismatch, fp8_weight_operand,
@@ -80,9 +79,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         # Grad mode is off inside forward: needs_input_grad says what backward will need.
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         xq = layer._input_fp8(x2d, with_transpose=need_wgrad)
-        # A prequantized weight's transpose is made in backward, from the bytes (re-)gathered
-        # then: saving it here would pin K*N bytes per layer between forward and backward, which
-        # is exactly what FSDP's reshard-after-forward frees.
+        # A prequantized weight's transpose is made in backward from the bytes (re-)gathered
+        # then: saving it would pin what FSDP's reshard-after-forward frees.
         direct = layer._prequantized_ok(weight)
         want_t = need_dgrad and not direct
         recompute = want_t and cfg.recompute_weight_cast
@@ -92,12 +90,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.need_wgrad, ctx.need_dgrad = need_wgrad, need_dgrad
         ctx.direct = direct
-        # dgrad's W^T is re-cast in backward from the Parameter (kept anyway) with the forward's
-        # amax: the same bytes, without holding N*K FP8 bytes from forward to backward. Decided
-        # by the recipe alone, never by the cache's state: activation checkpointing re-runs this
-        # forward in backward and requires the same saved tensors (shapes, dtypes) both times,
-        # while a cached cast may exist in one run and not the other. Backward takes the cached
-        # transpose when one is still valid (same bytes: same weight, same amax).
+        # dgrad's W^T is re-cast in backward from the Parameter with the forward's amax (same
+        # bytes, no N*K FP8 bytes held). Decided by the recipe alone, never by the cache's state:
+        # activation checkpointing requires the same saved tensors in forward and recomputation.
+        # Backward takes a still-valid cached transpose (same bytes).
         ctx.recast = recompute and wq.amax is not None
         w_amax = wq.amax
         if ctx.recast and _compiling():
@@ -147,7 +143,7 @@ class Fp8LinearFunction(torch.autograd.Function):
 
 
 class Fp8Linear(nn.Linear):
-    """``nn.Linear`` running forward, dgrad and wgrad GEMMs in FP8 with per-tensor scaling.
+    """``nn.Linear`` running forward, dgrad and wgrad GEMMs in FP8 (scaled per tensor, row or block).
 
     Accepts any number of leading batch dims; works under ``torch.no_grad()``.
 
@@ -218,16 +214,18 @@ class Fp8Linear(nn.Linear):
     def set_amax_groups(self, groups: dict[str, object]) -> None:
         """Tensor parallelism hook: ``{role: process_group}`` for operands split over a group.
 
-        With current (tensorwise) scaling, an operand whose rows or columns are split over
-        ``group`` (``"input"``, ``"weight"`` or ``"grad"``) takes its scale from the amax of the
-        whole tensor, all-reduced (MAX) over the group, so every rank casts its shard exactly
-        as one process would cast the full tensor (as Transformer Engine does). Delayed scaling
-        reduces through :meth:`set_amax_reduce_fn` instead.
+        Tensorwise: an operand whose rows or columns are split over ``group`` (``"input"``,
+        ``"weight"`` or ``"grad"``) is scaled from the whole tensor's amax, all-reduced (MAX),
+        as one process would cast it (as Transformer Engine does). Delayed scaling reduces
+        through :meth:`set_amax_reduce_fn`. Rowwise/blockwise keep nothing: scales stay
+        shard-local (``linear_granular.py``).
         """
         bad = set(groups) - set(_ROLES)
         if bad:
             raise ValueError(f"unknown FP8 operand role(s) {sorted(bad)}; use {_ROLES}")
-        self._amax_groups = {k: g for k, g in groups.items() if g is not None}
+        granular = self.fp8_config.recipe in GRANULAR_RECIPES
+        self._amax_groups = {} if granular else {
+            k: g for k, g in groups.items() if g is not None}
         self._w_cache = None
 
     def amax_group(self, role: str):
@@ -255,13 +253,10 @@ class Fp8Linear(nn.Linear):
     def resolve_backend(self, device: Optional[torch.device] = None) -> Optional[Fp8Backend]:
         """This layer's FP8 backend for inputs on ``device`` (picked on first use, then kept).
 
-        Without ``device``: pick it now where the weight's device already decides it (else
-        None). Resolved lazily in a compiled layer's first forward, the choice is a side effect
-        that dynamo guards on (``_fp8_backend`` and the backend cache), so the second forward
-        recompiles the layer (on an H100 Llama the compiled FP8 model showed 3 graphs and ~6 s
-        of extra warm-up where BF16 has 1; this was one cause). So a layer built with, or moved
-        to, a GPU weight resolves at once (and under the device-independent emulated backend
-        on any real device). A CPU weight under "auto" stays lazy: the model may move later.
+        Without ``device``: pick it now where the weight's device decides it (a GPU weight, or
+        the emulated backend on a real device), else None (a CPU weight under "auto": the model
+        may move). Resolving it lazily in a compiled forward is a side effect dynamo guards on:
+        the second forward recompiled (3 graphs and ~6 s extra warm-up on an H100 Llama).
         """
         if device is None:
             dev = self.weight.device
@@ -347,12 +342,8 @@ class Fp8Linear(nn.Linear):
             "input", x2d, cfg.fwd_dtype, with_transpose=with_transpose))
 
     def _prequantized_ok(self, w: torch.Tensor) -> bool:
-        """Whether ``w`` is an :class:`Fp8WeightTensor` this layer can feed to its GEMMs as is.
-
-        Its bytes must be the weight operand this layer would have made: the forward FP8
-        format, the layer's shape, and current (tensorwise) scaling; delayed scaling derives
-        the weight scale from its own amax history, so it re-quantizes (warned once).
-        """
+        """Whether ``w`` is an :class:`Fp8WeightTensor` whose bytes are the weight operand this
+        layer would make (forward format, its shape, tensorwise); else re-quantized, warned."""
         if not isinstance(w, Fp8WeightTensor):
             return False
         why = fp8_operand_mismatch(w, "weight", self.fp8_config.fwd_dtype, bool(self._delayed),
@@ -368,11 +359,9 @@ class Fp8Linear(nn.Linear):
                                 inv_scale: Optional[torch.Tensor] = None) -> None:
         """Use ``data_fp8`` / ``inv_scale`` as the FP8 weight operand while the weight is unchanged.
 
-        For producers that already hold this layer's weight cast, e.g. ZeRO's FP8 all-gather
-        (which casts the FP32 master with the scale from its global amax): the following
-        forwards skip the weight's amax and cast. ``None`` drops the operand now. When it stops
-        being valid (warned once; the layer casts the weight itself again), and what a producer
-        must do under ``torch.compile``: :class:`~fp8boost.fp8.prequantized.PrequantizedWeight`.
+        For producers that already hold this layer's weight cast (ZeRO's FP8 all-gather): the
+        following forwards skip the weight's amax and cast. ``None`` drops the operand now.
+        Validity and ``torch.compile``: :class:`~fp8boost.fp8.prequantized.PrequantizedWeight`.
 
         Args:
             data_fp8: ``[out_features, in_features]`` contiguous tensor in the forward FP8
@@ -380,8 +369,8 @@ class Fp8Linear(nn.Linear):
             inv_scale: FP32 0-dim tensor, ``data_fp8.float() * inv_scale`` is the weight.
 
         Raises:
-            ValueError: delayed scaling (the weight scale follows the layer's own amax
-                history), or a wrong FP8 format or shape.
+            ValueError: not tensorwise (delayed: the weight scale follows the layer's amax
+                history; rowwise/blockwise: one scale per row/block), wrong format or shape.
         """
         if data_fp8 is None:
             self._pre_w = None
@@ -397,17 +386,14 @@ class Fp8Linear(nn.Linear):
         scale = scale_from_amax(w_amax, cfg.fwd_dtype, cfg.margin, cfg.power_of_2_scale)
         q, _ = self._cast_fn()(weight.detach().t(), cfg.fwd_dtype, scale=scale,
                                with_transpose=False)
-        # K-major, as the GEMMs take it (a torch-op cast keeps the transposed view's strides;
-        # under compile the copy fuses into the cast)
+        # K-major, as the GEMMs take it (under compile the copy fuses into the cast)
         return Fp8Tensor(q.data.contiguous(), q.inv_scale)
 
     def _weight_fp8(self, with_transpose: bool, recompute: bool = False) -> Fp8Tensor:
         """The FP8 weight operand, with its K-major transpose when ``with_transpose``.
 
-        ``recompute``: backward wants the transpose but may re-cast it itself. The operand then
-        comes without it only where that is possible (current scaling, no cache entry, a plain
-        Parameter: its ``.amax`` gives the re-cast the same scale); everywhere else it carries
-        the transpose."""
+        ``recompute``: backward wants the transpose but may re-cast it itself; then it comes
+        without it where possible (current scaling, no cache entry, a plain Parameter)."""
         w = self.weight
         if isinstance(w, Fp8WeightTensor):
             self._w_cache = None  # a cast of an earlier plain weight would only pin memory
@@ -417,9 +403,8 @@ class Fp8Linear(nn.Linear):
                                   with_transpose=with_transpose or recompute)
         pre = self.__dict__.get("_pre_w")  # from set_prequantized_weight
         if pre is not None:
-            # Under torch.compile the key (version counters, the step epoch) cannot be read
-            # without a graph break, so a set operand is trusted as is: its producer re-sets it
-            # after every optimizer step, and load_state_dict drops it (eager runs check it).
+            # Under torch.compile the key cannot be read without a graph break: a set operand
+            # is trusted (its producer re-sets it after each step; eager runs check it).
             why = None if _compiling() or pre.matches(w) else \
                 "the weight was written or an optimizer step ran since it was set"
             if why is None:
@@ -445,10 +430,8 @@ class Fp8Linear(nn.Linear):
                     if self._delayed:
                         self._replay_log.remember("weight", self._w_cache[1])
                     return self._w_cache[1]  # cached casts always carry the transpose
-                # The second forward of this weight (micro-batches, gradient accumulation): from
-                # now on the cast pays for the memory it pins (after one forward per step the
-                # copy would live, unused, until the next step). An activation-checkpointing
-                # recomputation is no second forward: its backward follows at once.
+                # A second forward (micro-batches, accumulation): the kept cast now pays for
+                # its memory. A recomputation is none: its backward follows at once.
                 keep = keep or not recomputing()
         # Always emit the transpose when caching: the next backward will want it.
         wq = self._quantize("weight", w.detach(), self.fp8_config.fwd_dtype,
@@ -474,27 +457,43 @@ class Fp8Linear(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear expected last dim {self.in_features}, got {tuple(x.shape)}")
         self.resolve_backend(x.device)
-        # Grad mode is off inside the autograd function: whether a backward (and so perhaps a
-        # recomputation) follows this forward is read here.
-        if not _compiling():
-            self._replay_log.active = torch.is_grad_enabled()
-        lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        if _compiling() or not self.fp8_config.share_input_casts or self._delayed \
-                or isinstance(x, Fp8WeightTensor):
-            y = Fp8LinearFunction.apply(x2d, self.weight, bias, self)
-        else:  # eager tensorwise layers reading the same tensor share its cast (shared_cast)
-            self._share_src = x
-            try:
-                y = Fp8LinearFunction.apply(x2d, self.weight, bias, self)
-            finally:
-                self._share_src = None
+        if self.fp8_config.recipe in GRANULAR_RECIPES:  # rowwise/blockwise: linear_granular.py
+            y = granular_forward(x2d, self.weight, bias, self.fp8_config, self._fp8_backend,
+                                 self._frozen_granular_operands())
+        else:
+            y = self._tensorwise_forward(x, x2d, bias)
         # A 2-D input gets the GEMM output itself, not a view of it: FSDP2 warns about modules
         # returning views (an in-place op on one would drop its pre-backward hook).
-        return y if x.dim() == 2 else y.view(*lead, self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _tensorwise_forward(self, x, x2d, bias) -> torch.Tensor:
+        if not _compiling():  # whether a backward (perhaps a recomputation) follows: read here
+            self._replay_log.active = torch.is_grad_enabled()
+        if _compiling() or not self.fp8_config.share_input_casts or self._delayed \
+                or isinstance(x, Fp8WeightTensor):
+            return Fp8LinearFunction.apply(x2d, self.weight, bias, self)
+        self._share_src = x  # eager tensorwise layers reading one tensor share its cast
+        try:
+            return Fp8LinearFunction.apply(x2d, self.weight, bias, self)
+        finally:
+            self._share_src = None
+
+    def _frozen_granular_operands(self) -> Optional[tuple]:
+        """A frozen weight's rowwise/blockwise FP8 operands, made once and kept (eager)."""
+        w = self.weight
+        if (_compiling() or w.requires_grad or not self.keep_frozen_cast
+                or not self.fp8_config.cache_weight_cast or isinstance(w, Fp8WeightTensor)):
+            return None
+        key = self._weight_cache_key()
+        if self._w_cache is None or self._w_cache[0] != key:
+            self._w_cache = (key, weight_operands(w, self.fp8_config))
+        return self._w_cache[1]
 
     def extra_repr(self) -> str:
         c = self.fp8_config
-        return (f"{super().extra_repr()}, recipe={c.recipe}, format={c.fp8_format}, "
+        extra = (f", block_size={c.block_size}" if c.recipe == "blockwise" else "") + \
+            (", wgrad_high_precision=True" if c.wgrad_high_precision else "")
+        return (f"{super().extra_repr()}, recipe={c.recipe}{extra}, format={c.fp8_format}, "
                 f"backend={c.backend}")

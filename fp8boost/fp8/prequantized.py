@@ -221,7 +221,7 @@ class PrequantizedWeight:
             ValueError: ``config`` (the layer's ``Fp8Config``) is not tensorwise, or ``data`` is
                 not a contiguous tensor of the forward FP8 format and the operand's ``shape``.
         """
-        if config.recipe == "delayed" or data.dtype != config.fwd_dtype or \
+        if config.recipe != "tensorwise" or data.dtype != config.fwd_dtype or \
                 tuple(data.shape) != tuple(shape) or not data.is_contiguous():
             raise ValueError(f"set_prequantized_weight needs a tensorwise layer and a contiguous "
                              f"{config.fwd_dtype} tensor of shape {tuple(shape)}; got "

@@ -33,6 +33,7 @@ from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .distributed import broadcast_module
+from .granular_comm import is_granular, report_granular_gather
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
@@ -317,12 +318,14 @@ class HybridParallelPlugin(Plugin):
                                     self.colossal.loss_scale),
             fp8_communication=self.fp8_communication, comm_config=self.comm_config,
             fp8_reduce_scatter=self.fp8_reduce_scatter,
-            fp8_params=[m.weight for m in fp8_layers(model)],
+            fp8_params=[m.weight for m in fp8_layers(model) if not is_granular(m)],
             tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
             pp_counted_elsewhere=self._tied_copy())
         opt.bind_fp8_layers(model)
         self.comm_report = opt.comm_report
+        if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
+            report_granular_gather(self.comm_report, "HybridParallelPlugin", model)
         return opt
 
     def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:

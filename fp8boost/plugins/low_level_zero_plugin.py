@@ -12,6 +12,7 @@ from fp8boost.parallel.zero import ZeroOptimizer
 from .colossal_args import loss_scale_args, low_level_zero_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
+from .granular_comm import is_granular, report_granular_gather
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 
@@ -130,6 +131,8 @@ class LowLevelZeroPlugin(Plugin):
             fp8_params=self._fp8_gather_params(model),
             fp8_reduce_scatter=self.fp8_reduce_scatter)
         self.comm_report = opt.comm_report
+        if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
+            report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model)
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         return opt
 
@@ -139,8 +142,9 @@ class LowLevelZeroPlugin(Plugin):
         if self.fp8_param_gather == "none":
             return []
         from fp8boost.fp8.backends import warn_once
-        weights = [m.weight for m in fp8_layers(model)]
-        if self.fp8_communication and not weights:
+        # rowwise/blockwise layers' weights stay in the training dtype (comm/granular.py)
+        weights = [m.weight for m in fp8_layers(model) if not is_granular(m)]
+        if self.fp8_communication and not fp8_layers(model):
             warn_once("zero_fp8_gather_none",
                       "LowLevelZeroPlugin(fp8_communication=True): the model has no Fp8Linear "
                       "layers (use_fp8=False), so only gradients travel in FP8 and parameters "

@@ -55,7 +55,7 @@ def opt_model(plugin):
 
 def run_parity(arch: str, tp: int, zero: int, sp: bool, precision: str, fp8: bool, comm: bool,
                tie: bool = False, steps: int = 3, device: str = "cpu",
-               backend: str = "emulated") -> dict:
+               backend: str = "emulated", fp8_config=None) -> dict:
     """Train the hybrid plugin and a single-process reference; return their differences."""
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
@@ -63,7 +63,7 @@ def run_parity(arch: str, tp: int, zero: int, sp: bool, precision: str, fp8: boo
     from fp8boost.plugins import HybridParallelPlugin
     from fp8boost.plugins.precision import prepare_model
 
-    cfg = Fp8Config(backend=backend, min_numel=0)
+    cfg = fp8_config or Fp8Config(backend=backend, min_numel=0)
     dev = torch.device(device)
     model = tiny_model(arch, tie=tie)
     ref = copy.deepcopy(model)

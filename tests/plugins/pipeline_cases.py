@@ -37,7 +37,7 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
                   fp8: bool = False, comm: bool = False, style: str = "1f1b", chunks: int = 1,
                   layers: int = 4, sp: bool = False, tie: bool = False, arch: str = "llama",
                   steps: int = 3, microbatches: Optional[int] = 2,
-                  microbatch_size: Optional[int] = None, hooks=None) -> dict:
+                  microbatch_size: Optional[int] = None, hooks=None, fp8_config=None) -> dict:
     """Train with ``execute_pipeline`` and a one-process reference; return their differences."""
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
@@ -46,7 +46,7 @@ def run_pp_parity(*, pp: int, tp: int = 1, zero: int = 0, precision: str = "fp32
     from fp8boost.plugins import HybridParallelPlugin
     from fp8boost.plugins.precision import prepare_model
 
-    cfg = Fp8Config(backend="emulated", min_numel=0)
+    cfg = fp8_config or Fp8Config(backend="emulated", min_numel=0)
     model = tiny_model(layers, arch, tie)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)

@@ -41,7 +41,8 @@ CASES_4 = [
 ]
 
 
-def run_ulysses_parity(arch, tp, sp, zero, precision, fp8, comm, steps: int = 3) -> dict:
+def run_ulysses_parity(arch, tp, sp, zero, precision, fp8, comm, steps: int = 3,
+                       fp8_config=None) -> dict:
     """Train the plugin and a single-process reference; return their differences."""
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
@@ -49,7 +50,7 @@ def run_ulysses_parity(arch, tp, sp, zero, precision, fp8, comm, steps: int = 3)
     from fp8boost.plugins import HybridParallelPlugin
     from fp8boost.plugins.precision import prepare_model
 
-    cfg = Fp8Config(backend="emulated", min_numel=0)
+    cfg = fp8_config or Fp8Config(backend="emulated", min_numel=0)
     model = tiny_model(arch)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)

@@ -47,22 +47,38 @@ def _layout(q: Optional[GranularFp8]) -> tuple:
     return (None, 0) if q is None else (q.kind, q.block)
 
 
+def weight_operands(weight: torch.Tensor, cfg: Fp8Config) -> tuple[GranularFp8, GranularFp8]:
+    """Both FP8 operands of ``weight`` (fprop's and dgrad's), as the GEMMs would make them.
+
+    For a caller that keeps them while the weight is unchanged (Fp8Linear's frozen weights):
+    passed back as ``granular_linear(..., weight_q=...)`` they give the same bytes as a cast.
+    """
+    return _quantize(weight.detach(), cfg.fwd_dtype, cfg, weight=True, rows=True, cols=True)
+
+
 class GranularLinearFunction(torch.autograd.Function):
-    """``apply(x2d, weight, bias, config, backend)``: see :func:`granular_linear`."""
+    """``apply(x2d, weight, bias, config, backend, weight_q)``: see :func:`granular_linear`."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, cfg: Fp8Config, backend):
+    def forward(ctx, x2d, weight, bias, cfg: Fp8Config, backend, weight_q=None):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
         xq, xq_t = _quantize(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
                              cols=need_wgrad and not hp_wgrad)
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
-        wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True, cols=keep_wt)
+        if weight_q is not None:  # made by weight_operands: the same bytes
+            wq, wq_t = weight_q[0], weight_q[1] if keep_wt else None
+        else:
+            wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
+                                 cols=keep_wt)
         y = granular_mm(xq, wq, backend, bias=bias, out_dtype=x2d.dtype,
                         use_fast_accum=_fast_accum(cfg, "fprop"))
         ctx.cfg, ctx.backend = cfg, backend
         ctx.need_dgrad, ctx.need_wgrad, ctx.hp_wgrad = need_dgrad, need_wgrad, hp_wgrad
         ctx.recast = need_dgrad and cfg.recompute_weight_cast
+        # A given dgrad operand is used in backward instead of a re-cast (same bytes); what is
+        # saved does not depend on it (activation checkpointing compares the saved tensors).
+        ctx.weight_t = weight_q[1] if weight_q is not None and ctx.recast else None
         ctx.kinds = (*_layout(xq_t), *_layout(wq_t))
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -83,7 +99,9 @@ class GranularLinearFunction(torch.autograd.Function):
                                cols=ctx.need_wgrad and not ctx.hp_wgrad)
         dx = dw = db = None
         if ctx.need_dgrad:
-            if ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
+            if ctx.weight_t is not None:
+                wq_t = ctx.weight_t
+            elif ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
                 _, wq_t = _quantize(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
                                     cols=True)
             else:
@@ -100,15 +118,17 @@ class GranularLinearFunction(torch.autograd.Function):
                              use_fast_accum=_fast_accum(cfg, "wgrad"))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    config: Fp8Config, backend) -> torch.Tensor:
+                    config: Fp8Config, backend,
+                    weight_q: Optional[tuple[GranularFp8, GranularFp8]] = None) -> torch.Tensor:
     """``x2d @ weight.T + bias`` with FP8 GEMMs under the rowwise or blockwise recipe.
 
-    A pure function of its inputs (no state, no caches): Fp8Linear calls it from its forward
-    when ``config.recipe`` is ``rowwise`` or ``blockwise``.
+    A pure function of its inputs (no state, no caches; a caller may pass the weight's
+    operands it keeps): Fp8Linear calls it from its forward when ``config.recipe`` is
+    ``rowwise`` or ``blockwise``.
 
     Args:
         x2d: input ``[M, K]`` (flatten leading dims first).
@@ -118,6 +138,8 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
             (``fp8_format``, ``power_of_2_scale``, ``margin``, ``block_size``,
             ``wgrad_high_precision``, ``recompute_weight_cast``, ``fast_accum_*``).
         backend: an ``Fp8Backend`` (``get_backend(config.backend, device)``) or its name.
+        weight_q: ``weight_operands(weight, config)`` made earlier and kept by the caller
+            (valid only while ``weight`` is unchanged): skips the weight's casts.
 
     Returns:
         ``[M, N]`` in ``x2d.dtype``; gradients come back in the dtypes of x2d, weight, bias.
@@ -143,4 +165,4 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                          "of x with x.reshape(-1, x.shape[-1])")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    return GranularLinearFunction.apply(x2d, weight, bias, config, backend)
+    return GranularLinearFunction.apply(x2d, weight, bias, config, backend, weight_q)

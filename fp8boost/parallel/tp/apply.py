@@ -149,6 +149,8 @@ def _parallel_lm_head(model: nn.Module, head: nn.Module, group, sp: bool, n: int
 
 
 def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
+    """Tensorwise FP8 layers scale split operands from an amax over ``group``; rowwise and
+    blockwise layers ignore it (shard-local scales: ``fp8/linear_granular.py``)."""
     from fp8boost.fp8 import is_fp8_layer
 
     if not is_fp8_layer(module):
@@ -219,6 +221,7 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
 def _fp8_gather_consumer(region: str, plan: TpPlan, modules: dict):
     """(the Fp8Linear whose recipe casts the region's gathered input, None) or (None, why)."""
     from fp8boost.fp8 import is_fp8_layer
+    from fp8boost.fp8.config import GRANULAR_RECIPES
     from fp8boost.fp8.scaling import E4M3
 
     consumers = [modules[n] for n in plan.colwise if n.startswith(region + ".")]
@@ -229,6 +232,11 @@ def _fp8_gather_consumer(region: str, plan: TpPlan, modules: dict):
     fwd, _, _, recipe, _ = next(iter(cfgs))
     if len(cfgs) > 1:
         return None, f"{region}'s FP8 linears use different recipes"
+    if recipe in GRANULAR_RECIPES:
+        # region-free text: logged once for all regions
+        return None, (f"the FP8 linears are {recipe}: the FP8 all-gather carries one "
+                      f"scale per tensor and {recipe} re-quantizes per row/tile, so it would "
+                      "round the input twice (a gather with row/tile scales is not implemented)")
     if fwd != E4M3 or recipe == "delayed":
         return None, f"{region}'s FP8 linears are not tensorwise e4m3 (recipe {recipe})"
     return consumers[0], None

@@ -1,0 +1,63 @@
+"""Which FP8 layers' weights an FP8 parameter all-gather carries: not rowwise/blockwise ones.
+
+FSDP2's and ZeRO's FP8 all-gathers send a weight as FP8 bytes with one scale per tensor (the
+scale shared by the group). A layer under the ``rowwise`` or ``blockwise`` recipe re-quantizes
+its weight with a scale per row or 128 x 128 block, so a per-tensor FP8 wire would round it
+twice and lose what those recipes are for (an outlier sets the whole tensor's scale). Until
+the all-gather carries block scales, these weights travel in the training dtype; each plugin
+warns once and records why in its :class:`~fp8boost.parallel.comm.report.CommReport`
+(``plugin.comm_report.why_not['param_all_gather']``).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from torch import nn
+
+from fp8boost import _state
+from fp8boost.fp8 import fp8_layers
+from fp8boost.fp8.config import GRANULAR_RECIPES
+
+from fp8boost.parallel.comm.report import PARAM_ALL_GATHER, CommReport
+
+__all__ = ["GRANULAR_GATHER_WHY", "is_granular", "split_fp8_gather_layers",
+           "report_granular_gather"]
+
+GRANULAR_GATHER_WHY = (
+    "weights of rowwise/blockwise Fp8Linear layers are all-gathered in the training dtype: the "
+    "FP8 all-gather carries one scale per tensor and these recipes re-quantize per row/block, "
+    "so an FP8 wire would round each weight twice (a gather with block scales is not "
+    "implemented yet)")
+"""Why a rowwise/blockwise layer's weight is not all-gathered in FP8."""
+
+
+def is_granular(module: Optional[nn.Module]) -> bool:
+    """Whether ``module`` is an Fp8Linear under a rowwise or blockwise recipe."""
+    cfg = getattr(module, "fp8_config", None)
+    return cfg is not None and cfg.recipe in GRANULAR_RECIPES
+
+
+def split_fp8_gather_layers(layers: Iterable[nn.Module]) -> tuple[list, list]:
+    """``(layers whose weights may travel in FP8, rowwise/blockwise layers)``."""
+    keep, granular = [], []
+    for layer in layers:
+        (granular if is_granular(layer) else keep).append(layer)
+    return keep, granular
+
+
+def report_granular_gather(report: CommReport, where: str, model: nn.Module) -> int:
+    """Record in ``report`` (and warn once, naming ``where``) that the weights of ``model``'s
+    rowwise/blockwise layers are all-gathered in the training dtype; returns how many.
+
+    When every FP8 layer is one of them, ``report.fp8_param_all_gather`` becomes False.
+    """
+    layers = fp8_layers(model)
+    n_granular = sum(map(is_granular, layers))
+    if not n_granular:
+        return 0
+    why = f"{n_granular} {GRANULAR_GATHER_WHY}"
+    report.not_fp8(PARAM_ALL_GATHER, why)
+    if n_granular == len(layers):
+        report.fp8_param_all_gather = False
+    _state.warn_once(("granular-fp8-param-gather", where), f"fp8boost {where}: {why}")
+    return n_granular
