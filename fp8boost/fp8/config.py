@@ -107,7 +107,8 @@ class Fp8Config:
     """Reuse the weight's FP8 cast while the weight is unchanged, from its second forward on
     (micro-batches, gradient accumulation, recomputation). A weight read once per optimizer
     step is cast each time and nothing is kept (the cache would only pin memory). Rowwise and
-    blockwise: not applied yet (the weight is cast in every forward)."""
+    blockwise: a frozen weight's (LoRA base) two operands are kept across steps; a trained
+    weight is cast in every forward (no micro-batch cache yet)."""
 
     compiled_casts: str = "inductor"
     """Under ``torch.compile``, how activations, gradients and weights are cast to FP8.
