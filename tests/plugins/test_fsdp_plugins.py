@@ -435,7 +435,7 @@ def test_bad_arguments_raise_before_any_collective():
             GeminiPlugin(**kwargs)
     with pytest.raises(TypeError, match="use_fp8 must be True or False"):
         TorchFSDPPlugin(use_fp8=1)
-    with pytest.raises(TypeError, match="cpu_offload must be True or False"):
+    with pytest.raises(TypeError, match="cpu_offload must be True/False or a torch.distributed.fsdp.CPUOffload"):
         TorchFSDPPlugin(cpu_offload="yes")
     with pytest.raises(TypeError, match="fp8_config must be"):
         GeminiPlugin(fp8_config={"recipe": "tensorwise"})
