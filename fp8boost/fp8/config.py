@@ -210,6 +210,14 @@ class Fp8Config:
         if b < 16 or b & (b - 1):
             raise ValueError(f"Fp8Config.block_size must be a power of two >= 16, got {b}; "
                              "use 128 (DeepSeek-V3's, and the one cuBLAS runs)")
+        if self.recipe == "blockwise" and self.fp8_format != "e4m3":
+            # cuBLAS's blockwise GEMMs (torch's scaled_mm BlockWise1x128/128x128) take e4m3
+            # operands only: an e5m2 gradient is refused on the GPU (measured on an H100,
+            # torch 2.11). DeepSeek-V3 trained its gradients in e4m3 with 1x128 tiles too.
+            raise ValueError(
+                f"Fp8Config(recipe='blockwise', fp8_format={self.fp8_format!r}): blockwise "
+                "scaling casts gradients to e4m3 (cuBLAS's blockwise GEMMs take e4m3 only); use "
+                "Fp8Config.from_recipe('blockwise') or fp8_format='e4m3'")
         if b != 128 and self.recipe != "blockwise":
             raise ValueError(f"Fp8Config.block_size={b} applies to recipe='blockwise' only "
                              f"(recipe is {self.recipe!r}); leave it at 128 or set the recipe")

@@ -234,6 +234,8 @@ def run_linear(cfg, x0, w0, b0, dy, x_dtype=torch.float32, w_grad=True, x_grad=T
 def test_linear_gradients_against_fp32_reference(name, fmt):
     torch.manual_seed(0)
     m, k, n = 192, 320, 200  # not multiples of 128: partial tiles and blocks everywhere
+    if fmt == "hybrid" and name.startswith("blockwise"):
+        pytest.skip("blockwise takes e4m3 gradients only (test_granular_config)")
     cfg = Fp8Config.from_recipe(name, backend="emulated", fp8_format=fmt)
     x0, w0 = torch.randn(m, k), torch.randn(n, k) / math.sqrt(k)
     b0, dy = torch.randn(n), torch.randn(m, n)

@@ -59,7 +59,7 @@ def test_blockwise_cublas_matches_emulated(m, k, n, wgrad):
     _state.reset()
     a, b = data(m, k, n)
     qa = quantize_tiles(a)
-    qb = quantize_tiles(b, E5M2) if wgrad else quantize_blocks(b)
+    qb = quantize_tiles(b) if wgrad else quantize_blocks(b)  # e4m3: cuBLAS refuses e5m2 here
     ref = granular_mm(qa, qb, "emulated", out_dtype=torch.float32)
     out = granular_mm(qa, qb, "cublas", out_dtype=torch.float32)
     # FP32-promoted accumulation: only the BF16 output rounding (2^-9) remains.
@@ -67,10 +67,10 @@ def test_blockwise_cublas_matches_emulated(m, k, n, wgrad):
 
 
 @pytest.mark.parametrize("name, fmt", [("rowwise", "e4m3"), ("rowwise", "hybrid"),
-                                       ("rowwise_with_gw_hp", "e4m3"), ("blockwise", "e4m3"),
-                                       ("blockwise", "hybrid")])
+                                       ("rowwise_with_gw_hp", "e4m3"), ("blockwise", "e4m3")])
 def test_granular_linear_cublas_matches_emulated(name, fmt):
-    # hybrid: e5m2 gradients times e4m3 operands in dgrad/wgrad (does cuBLAS take the mix?)
+    # hybrid: e5m2 gradients times e4m3 operands in dgrad/wgrad (rowwise cuBLAS takes the mix;
+    # blockwise does not, so Fp8Config refuses blockwise with e5m2)
     x0, w0 = data(300, 1024, 512)
     dy = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
     grads = []
@@ -87,11 +87,13 @@ def test_granular_linear_cublas_matches_emulated(name, fmt):
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300)])
-def test_compiled_quantizers_are_bit_exact(shape):
-    # Under torch.compile the quantizers are plain torch ops that inductor fuses; they must
-    # give eager's bytes. (On CPU, torch 2.13's inductor C++ backend miscompiles the partial
-    # tile's index, e.g. torch.compile(lambda: torch.arange(200) // 128)() is wrong past 128:
-    # so this is checked on the GPU, where training compiles.)
+def test_compiled_quantizers_match_eager(shape):
+    """Under torch.compile the quantizers are plain torch ops that inductor fuses into their
+    producers. As for tensorwise (``Fp8Config.compiled_casts``), inductor's FP32 division may
+    give a scale one ulp from eager's, so a few elements at a rounding boundary land on the
+    neighbouring FP8 code: scales within 2 ulp, at most 0.5% of the bytes differ, and those
+    by one code. (Partial tiles, e.g. 200 x 300, must not come out as garbage: on CPU torch
+    2.13's C++ inductor miscompiles `arange(200) // 128`, so this is checked on the GPU.)"""
     from fp8boost.fp8.granular import quantize_cols_t, quantize_tiles_t
 
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -99,5 +101,11 @@ def test_compiled_quantizers_are_bit_exact(shape):
     for fn in (quantize_rows, quantize_cols_t, quantize_tiles, quantize_tiles_t,
                quantize_blocks):
         eager, comp = fn(x), torch.compile(fn)(x)
-        assert torch.equal(eager.data.view(torch.uint8), comp.data.view(torch.uint8)), fn
-        assert torch.equal(eager.inv_scale, comp.inv_scale), fn
+        assert eager.inv_scale.shape == comp.inv_scale.shape, fn
+        ratio = (comp.inv_scale / eager.inv_scale).float()
+        assert ((ratio - 1).abs() <= 2 * 2.0 ** -23).all(), (fn, ratio)
+        a = eager.data.view(torch.uint8).int()
+        b = comp.data.view(torch.uint8).int()
+        differ = a != b
+        assert differ.float().mean().item() <= 5e-3, (fn, differ.float().mean().item())
+        assert ((a - b).abs()[differ] <= 1).all(), fn  # neighbouring codes only
