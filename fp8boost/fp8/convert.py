@@ -21,6 +21,7 @@ from fp8boost import _state
 from .config import DEFAULT_MIN_NUMEL, GRANULAR_RECIPES, Fp8Config
 from .linear import Fp8Linear, Fp8LinearFunction
 from .linear_granular import granular_forward
+from .moe import experts_back, experts_decision, is_fp8_experts
 from .prequantized import Fp8WeightTensor, dequantize_weight
 from .scaling import Fp8Tensor
 
@@ -35,9 +36,12 @@ class ConversionReport:
     skipped: dict[str, str] = field(default_factory=dict)
     already_fp8: list[str] = field(default_factory=list)
     """Layers that were FP8 before this call (a second conversion, or a boosted model)."""
+    experts: list[str] = field(default_factory=list)
+    """Fused-expert modules of MoE models now running grouped FP8 GEMMs (``fp8.moe``)."""
 
     def __str__(self) -> str:
-        lines = [f"fp8boost: converted {len(self.converted)} linear layer(s) to FP8, "
+        lines = [f"fp8boost: converted {len(self.converted)} linear layer(s) and "
+                 f"{len(self.experts)} expert module(s) to FP8, "
                  f"{len(self.already_fp8)} already in FP8, "
                  f"kept {len(self.skipped)} in high precision"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
@@ -290,9 +294,15 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
     report = ConversionReport()
 
     def make(mod: nn.Module, fqn: str) -> Optional[nn.Module]:
-        if is_fp8_layer(mod):
+        if is_fp8_layer(mod) or is_fp8_experts(mod):
             report.already_fp8.append(fqn)
             return None
+        experts = experts_decision(mod, fqn, config, module_filter_fn)  # MoE fused experts
+        if isinstance(experts, str):
+            report.skipped[fqn] = experts
+        elif experts is not None:
+            report.experts.append(fqn)
+            return experts
         conv1d = is_hf_conv1d(mod)
         if not (isinstance(mod, nn.Linear) or conv1d):
             return None
@@ -308,7 +318,7 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
         return Fp8Conv1D.from_conv1d(mod, config) if conv1d else Fp8Linear.from_linear(mod, config)
 
     _swap(model, make)
-    if not report.converted and not report.already_fp8:
+    if not report.converted and not report.already_fp8 and not report.experts:
         _warn_nothing_converted(report, config)
     return report
 
@@ -325,7 +335,8 @@ def _warn_nothing_converted(report: ConversionReport, config: Fp8Config) -> None
 def convert_from_fp8(model: nn.Module) -> int:
     """Swap every ``Fp8Linear`` back to a plain ``nn.Linear`` (same Parameters) for export.
 
-    Returns the number of layers converted back.
+    FP8 experts (``fp8.moe.Fp8Experts``) go back to the HF modules they replaced, holding
+    the same Parameters. Returns the number of layers and expert modules converted back.
 
     Example:
         >>> import torch
@@ -339,6 +350,10 @@ def convert_from_fp8(model: nn.Module) -> int:
 
     def make(mod: nn.Module, fqn: str) -> Optional[nn.Module]:
         nonlocal count
+        hf_experts = experts_back(mod)
+        if hf_experts is not None:
+            count += 1
+            return hf_experts
         if not is_fp8_layer(mod):
             return None
         with torch.device("meta"):
