@@ -110,7 +110,7 @@ def setup_booster(model, name: str, args, device):
     use_fp8, fp8_comm = variant.startswith("fp8"), variant.startswith("fp8_comm")
     rs = {"fp8_reduce_scatter": True} if variant == "fp8_comm_rs" else {}
     if name == "single_torchao":
-        args._fp8_layers = _single.convert_torchao(model)
+        args._fp8_layers = _single.convert_torchao(model, getattr(args, "torchao_recipe", None))
     if args.compile:
         compile_layers(model)
     fp8_cfg = None
@@ -119,7 +119,8 @@ def setup_booster(model, name: str, args, device):
         extra = fp8_options(getattr(args, "fp8_options", None))
         if args.fp8_min_numel is not None:
             extra["min_numel"] = args.fp8_min_numel
-        fp8_cfg = Fp8Config(**extra)
+        named = extra.pop("named", None)  # --fp8-options named=rowwise: Fp8Config.from_recipe
+        fp8_cfg = Fp8Config.from_recipe(named, **extra) if named else Fp8Config(**extra)
     if kind == "single":
         from fp8boost.booster.mixed_precision import MixedPrecision
         booster = Booster(mixed_precision=MixedPrecision(

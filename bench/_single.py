@@ -18,12 +18,16 @@ def torchao_filter(mod: torch.nn.Module, fqn: str) -> bool:
     return "lm_head" not in fqn and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
 
-def convert_torchao(model: torch.nn.Module, **config: Any) -> dict[str, int]:
-    """torchao ``convert_to_float8_training`` (tensorwise dynamic scaling, torchao's default
-    recipe; ``config`` goes to ``Float8LinearConfig``). Returns ``dict(converted=, kept=)``."""
+def convert_torchao(model: torch.nn.Module, recipe: Optional[str] = None,
+                    **config: Any) -> dict[str, int]:
+    """torchao ``convert_to_float8_training``: tensorwise dynamic scaling (torchao's default),
+    or the named ``recipe`` (``rowwise``, ``rowwise_with_gw_hp``:
+    ``Float8LinearConfig.from_recipe_name``); ``config`` goes to ``Float8LinearConfig``.
+    Returns ``dict(converted=, kept=)``."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    convert_to_float8_training(model, config=Float8LinearConfig(**config),
+    cfg = Float8LinearConfig.from_recipe_name(recipe) if recipe else Float8LinearConfig(**config)
+    convert_to_float8_training(model, config=cfg,
                                module_filter_fn=torchao_filter)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -95,6 +95,17 @@ MODES: dict[str, tuple[str, list[str]]] = {
     "bf16_compiled_twopass": ("single_bf16", ["--compile", "--master-step", "two-pass"]),
     "torchao_compiled_twopass": ("single_torchao", ["--compile", "--master-step", "two-pass"]),
     "fp8_compiled_twopass": ("single_fp8", _ALL + ["--compile", "--master-step", "two-pass"]),
+    # Issue 26: rowwise and blockwise recipes (Fp8Config.from_recipe), against torchao's rowwise.
+    "torchao_rowwise_compiled": ("single_torchao", ["--compile", "--torchao-recipe", "rowwise"]),
+    "fp8_rowwise_compiled": ("single_fp8", _ALL + ["--compile", "--fp8-options",
+                                                   "named=rowwise"]),
+    "fp8_rowwise_gwhp_compiled": ("single_fp8", _ALL + ["--compile", "--fp8-options",
+                                                        "named=rowwise_with_gw_hp"]),
+    "fp8_blockwise_compiled": ("single_fp8", _ALL + ["--compile", "--fp8-options",
+                                                     "named=blockwise"]),
+    "torchao_rowwise_eager": ("single_torchao", ["--torchao-recipe", "rowwise"]),
+    "fp8_rowwise_eager": ("single_fp8", _ALL + ["--fp8-options", "named=rowwise"]),
+    "fp8_blockwise_eager": ("single_fp8", _ALL + ["--fp8-options", "named=blockwise"]),
 }
 DEFAULT_MODES = list(MODES)[:6]
 

@@ -118,6 +118,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--fp8-min-numel", type=int, default=None,
                    help="Fp8Config.min_numel for the fp8 configs (default: the library default)")
+    p.add_argument("--torchao-recipe", default=None,
+                   choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                   help="single_torchao / torchao_fsdp2: torchao's named recipe")
     p.add_argument("--fp8-options", default=None,
                    help="extra Fp8Config fields for the fp8 configs, e.g. "
                         "'compiled_casts=kernel,share_input_casts=False' (ablations)")
