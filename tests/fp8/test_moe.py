@@ -151,7 +151,8 @@ def test_batched_emulation_equals_grouped_mm_emulation():
     args = (a, ai, b, bi, r.offsets, r.group, r.local)
     torch.testing.assert_close(torch.where(valid, emulated_mm(*args, grouped=True), 0),
                                torch.where(valid, emulated_mm(*args, grouped=False), 0))
-    wa, wb = torch.randn(16, r.rows, generator=g).to(e4), torch.randn(32, r.rows, generator=g).to(e4)
+    wa = torch.randn(16, r.rows, generator=g).to(e4)
+    wb = torch.randn(32, r.rows, generator=g).to(e4)
     wai, wbi = torch.rand(4, 16, generator=g), torch.rand(4, 32, generator=g)
     wargs = (wa, wai, wb, wbi, r.offsets, r.group, r.local)
     torch.testing.assert_close(emulated_mm_wgrad(*wargs, grouped=True),

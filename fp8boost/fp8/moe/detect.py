@@ -106,8 +106,9 @@ def find_expert_spec(module: nn.Module) -> Union[ExpertSpec, str, None]:
         >>> from transformers import MixtralConfig
         >>> from transformers.models.mixtral.modeling_mixtral import MixtralExperts
         >>> cfg = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
-        >>> find_expert_spec(MixtralExperts(cfg))
-        ExpertSpec(gate_up='gate_up_proj', down='down_proj', num_experts=4, hidden=64, intermediate=32)
+        >>> spec = find_expert_spec(MixtralExperts(cfg))
+        >>> spec.gate_up, spec.down, spec.num_experts, spec.hidden, spec.intermediate
+        ('gate_up_proj', 'down_proj', 4, 64, 32)
     """
     found = _pair(module)
     if not isinstance(found, ExpertSpec):

@@ -1,0 +1,147 @@
+"""MoE expert GEMMs: FP8 grouped (torch._scaled_grouped_mm, rowwise) vs BF16 torch._grouped_mm.
+
+Shapes (E experts, top-k, hidden h, expert width i) like Qwen3-30B-A3B (128, 8, 2048, 768) and
+Mixtral-8x7B (8, 2, 4096, 14336), at several token counts T, with balanced routing (equal tokens
+per expert: S = T*k rows, S/E each), the two projections of an expert MLP: gate_up (K = h,
+N = 2i) and down (K = i, N = h). Per projection:
+
+* ``bf16``: ``torch._grouped_mm`` on BF16 operands (the baseline: transformers' grouped_mm);
+* ``fp8_gemm``: ``torch._scaled_grouped_mm`` on operands already in FP8 (the GEMM alone,
+  fast accumulation), and ``fp8_wgrad_gemm`` / ``bf16_wgrad``: the weight-gradient form
+  (2-D x 2-D over each expert's tokens);
+* ``fp8_fprop``: fp8boost's forward with its casts (``grouped_linear`` under no_grad: per-token
+  and per-expert-row quantization, the GEMM, masking of the rows past the groups);
+* ``fp8_train`` / ``bf16_train``: forward + backward of one projection (three GEMMs each).
+
+TFLOP/s = 2*S*N*K / time per GEMM (x3 for the train rows). Each time is the median of many
+runs after warm-up (``triton.testing.do_bench``).
+
+    python bench/moe_gemm.py            # both shapes, T in 2048 4096 8192 16384
+    python bench/moe_gemm.py --quick    # T = 4096 and 8192
+
+Writes JSON (device, versions, date, command, rows) to $OUT if set, else bench/results/
+moe_gemm_<date>.json, and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import env_info, write_json  # noqa: E402 (bench/ is on sys.path)
+
+SHAPES = {"qwen3_30b_a3b": (128, 8, 2048, 768), "mixtral_8x7b": (8, 2, 4096, 14336)}
+TOKENS = (2048, 4096, 8192, 16384)
+
+
+def bench(fn, warmup_ms=25, rep_ms=150) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def bf16_rows(e: int, s: int):
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (s // e)
+    return offs
+
+
+def projection(e, k, t, n_out, k_in) -> dict:
+    """Every variant for one projection W [E, N, K] at T tokens."""
+    from fp8boost.fp8.moe import GroupedOptions, grouped_linear, route
+    from fp8boost.fp8.moe.gemm import scaled_mm, scaled_mm_wgrad
+    from fp8boost.fp8.moe.quantize import (ScaleOptions, quantize_experts, quantize_groups_t,
+                                           quantize_tokens)
+
+    s = t * k
+    idx = (torch.arange(s, device="cuda") % e).view(t, k)  # balanced: S/E rows per expert
+    r = route(idx, e)
+    w = (torch.randn(e, n_out, k_in, device="cuda") * 0.02).bfloat16()
+    x = torch.zeros(r.rows, k_in, device="cuda", dtype=torch.bfloat16)
+    x[r.pos] = torch.randn(s, k_in, device="cuda").bfloat16()
+    dy = torch.zeros(r.rows, n_out, device="cuda", dtype=torch.bfloat16)
+    dy[r.pos] = torch.randn(s, n_out, device="cuda").bfloat16()
+    so = ScaleOptions(power_of_2=True)
+    opts = GroupedOptions(so, "scaled_grouped_mm")
+    xq, xi = quantize_tokens(x, so.fwd_dtype, so)
+    wq, wi = quantize_experts(w, so)
+    dyt, dyti = quantize_groups_t(dy, r.group, e, so.grad_dtype, so)
+    xt, xti = quantize_groups_t(x, r.group, e, so.fwd_dtype, so)
+    # BF16 baseline on exactly S rows (no padding: its best case).
+    offs = bf16_rows(e, s)
+    xb, dyb = x[r.pos].contiguous(), dy[r.pos].contiguous()
+    flops = 2.0 * s * n_out * k_in
+    res = {"E": e, "top_k": k, "T": t, "S": s, "N": n_out, "K": k_in}
+
+    def tf(ms, gemms=1):
+        return gemms * flops / (ms * 1e-3) / 1e12
+
+    res["bf16_tflops"] = tf(bench(lambda: torch._grouped_mm(xb, w.transpose(-2, -1),
+                                                            offs=offs)))
+    res["fp8_gemm_tflops"] = tf(bench(lambda: scaled_mm(xq, xi, wq, wi, r.offsets, True)))
+    res["bf16_wgrad_tflops"] = tf(bench(lambda: torch._grouped_mm(dyb.t(), xb, offs=offs)))
+    res["fp8_wgrad_gemm_tflops"] = tf(bench(
+        lambda: scaled_mm_wgrad(dyt, dyti, xt, xti, r.offsets, False)))
+    with torch.no_grad():
+        res["fp8_fprop_tflops"] = tf(bench(lambda: grouped_linear(x, w, r, opts)))
+    wg = w.clone().requires_grad_()
+    xg, xbg = x.clone().requires_grad_(), xb.clone().requires_grad_()
+
+    def fp8_train():
+        grouped_linear(xg, wg, r, opts).backward(dy)
+
+    def bf16_train():
+        torch._grouped_mm(xbg, wg.transpose(-2, -1), offs=offs).backward(dyb)
+
+    res["fp8_train_tflops"] = tf(bench(fp8_train), 3)
+    try:
+        res["bf16_train_tflops"] = tf(bench(bf16_train), 3)
+    except RuntimeError as exc:  # no autograd formula for _grouped_mm in this torch
+        res["bf16_train_tflops"] = None
+        res["bf16_train_error"] = str(exc)[:200]
+    for a, b in (("fp8_gemm", "bf16"), ("fp8_wgrad_gemm", "bf16_wgrad"),
+                 ("fp8_fprop", "bf16"), ("fp8_train", "bf16_train")):
+        if res.get(f"{b}_tflops"):
+            res[f"{a}_vs_{b}"] = res[f"{a}_tflops"] / res[f"{b}_tflops"]
+    return res
+
+
+def main(argv=None) -> None:
+    argv = sys.argv if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="T = 4096 and 8192 only")
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    args = p.parse_args(argv[1:])
+    from fp8boost.fp8 import Fp8Config
+    from fp8boost.fp8.moe.gemm import probe_problem, resolve_backend
+
+    why = probe_problem(torch.device("cuda"))
+    if why is not None:
+        raise SystemExit(f"torch._scaled_grouped_mm unusable here: {why}")
+    assert resolve_backend(Fp8Config(), torch.device("cuda")) == "scaled_grouped_mm"
+    rows = []
+    for name in args.shapes:
+        e, k, h, i = SHAPES[name]
+        for t in ((4096, 8192) if args.quick else TOKENS):
+            for proj, (n_out, k_in) in (("gate_up", (2 * i, h)), ("down", (h, i))):
+                r = {"shape": name, "proj": proj, **projection(e, k, t, n_out, k_in)}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+                torch.cuda.empty_cache()
+    path = write_json("moe_gemm", {**env_info(argv), "rows": rows})
+    print(f"\nwrote {path}\n{'shape':>14} {'proj':>7} {'T':>6} {'bf16':>6} {'fp8':>6} "
+          f"{'x':>5} {'wg bf16':>7} {'wg fp8':>6} {'fprop':>6} {'train b':>7} {'train 8':>7} "
+          f"{'x':>5}  (TFLOP/s)")
+    for r in rows:
+        print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} {r['bf16_tflops']:6.0f} "
+              f"{r['fp8_gemm_tflops']:6.0f} {r['fp8_gemm_vs_bf16']:5.2f} "
+              f"{r['bf16_wgrad_tflops']:7.0f} {r['fp8_wgrad_gemm_tflops']:6.0f} "
+              f"{r['fp8_fprop_tflops']:6.0f} {r['bf16_train_tflops'] or float('nan'):7.0f} "
+              f"{r['fp8_train_tflops']:7.0f} {r.get('fp8_train_vs_bf16_train', float('nan')):5.2f}")
+
+
+if __name__ == "__main__":
+    main()
