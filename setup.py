@@ -21,7 +21,9 @@ setup(
     extras_require={
         # tensorboard: the example's --tensorboard (its test writes real event files)
         # peft: Booster.enable_lora / save_lora_as_pretrained (and their tests)
-        "dev": ["pytest>=8", "expecttest", "matplotlib", "tensorboard", "peft>=0.13"],
+        # compressed-tensors: the FP8 export's compressed-tensors layout is checked with it
+        "dev": ["pytest>=8", "expecttest", "matplotlib", "tensorboard", "peft>=0.13",
+                "compressed-tensors>=0.10"],
         "lora": ["peft>=0.13"],
     },
 )

@@ -213,7 +213,10 @@ class Booster:
                    gather_dtensor: bool = True, prefix: Optional[str] = None,
                    size_per_shard: Optional[float] = None,
                    use_safetensors: Optional[bool] = None, use_async: bool = False, *,
-                   path: Optional[str] = None, size_per_shard_mb: Optional[float] = None) -> None:
+                   path: Optional[str] = None, size_per_shard_mb: Optional[float] = None,
+                   fp8_export: Optional[str] = None, calibration_batches: Optional[list] = None,
+                   activation_scheme: str = "dynamic", weight_strategy: Optional[str] = None,
+                   kv_cache_scales: bool = False) -> None:
         """Save the model's weights: a safetensors directory ``from_pretrained`` can load, or
         one file.
 
@@ -238,9 +241,23 @@ class Booster:
             gather_dtensor, prefix, use_async: accepted for Colossal-AI scripts; weights are
                 always gathered, file names are HF's and the write is synchronous (a non-default
                 value is said once at INFO).
+            fp8_export: ``"per_tensor"``, ``"block"`` or ``"compressed_tensors"``: an FP8
+                folder inference engines load (``fp8boost.export``; README "Train, export,
+                serve"); ``activation_scheme`` (``"static"`` writes ``input_scale``),
+                ``weight_strategy`` (compressed_tensors: tensor, channel or block),
+                ``kv_cache_scales`` and ``calibration_batches`` (input dicts) go with it.
         """
         path = _one_path(checkpoint, path, "save_model")
         size = _shard_size(size_per_shard, size_per_shard_mb)
+        if fp8_export is not None or calibration_batches is not None:
+            from fp8boost.export.layouts import make_spec  # validates before any collective
+            from fp8boost.export.save import save_fp8_model
+            spec = make_spec(fp8_export, activation_scheme, weight_strategy, kv_cache_scales,
+                             calibration_batches)
+            if not isinstance(size, (int, float)) or size <= 0:
+                raise ValueError(f"size_per_shard_mb must be > 0, got {size!r}")
+            save_fp8_model(self.plugin, model, path, spec, shard, size, calibration_batches)
+            return
         _info_ignored("save_model", gather_dtensor=(gather_dtensor, True), prefix=(prefix, None),
                       use_async=(use_async, False))
         if use_safetensors is False:
