@@ -224,3 +224,19 @@ def test_failed_export_keeps_previous(tmp_path, monkeypatch):
     assert [d for d in os.listdir(tmp_path) if d != "ckpt"] == []
     with safe_open(os.path.join(path, "model-00001-of-00001.safetensors"), "pt") as f:
         assert "model.layers.0.mlp.up_proj.weight_scale" in f.keys()
+
+
+def test_one_file_and_small_shards(tmp_path):
+    booster, model = _boosted(H.make("llama", hidden=64, inter=64))
+    one = str(tmp_path / "one")
+    booster.save_model(model, one, shard=False, fp8_export="block")
+    assert sorted(f for f in os.listdir(one) if f.endswith(".safetensors")) == \
+        ["model.safetensors"]
+    many = str(tmp_path / "many")
+    booster.save_model(model, many, fp8_export="block", size_per_shard_mb=0.02)
+    with open(os.path.join(many, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert len(set(index["weight_map"].values())) >= 3
+    assert index["weight_map"].keys() == read_fp8_state(one).keys()
+    a, b = read_fp8_state(one), read_fp8_state(many)
+    assert all(torch.equal(a[k].float(), b[k].float()) for k in a)
