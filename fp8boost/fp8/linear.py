@@ -35,7 +35,7 @@ from . import shared_cast
 from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import GRANULAR_RECIPES, Fp8Config
-from .linear_granular import granular_forward, weight_operands
+from .linear_granular import granular_forward, prepare_granular, weight_operands
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
                            fp8_input_operand, fp8_operand_mismatch, fp8_weight_operand,
@@ -255,9 +255,8 @@ class Fp8Linear(nn.Linear):
 
         Without ``device``: pick it now where the weight's device decides it (a GPU weight, or
         the emulated backend on a real device), else None (a CPU weight under "auto": the model
-        may move). Resolving it lazily in a compiled forward is a side effect dynamo guards on:
-        the second forward recompiled (3 graphs and ~6 s extra warm-up on an H100 Llama).
-        """
+        may move). Resolved lazily in a compiled forward, dynamo guards on it: the second
+        forward recompiled (3 graphs, ~6 s more warm-up on an H100 Llama)."""
         if device is None:
             dev = self.weight.device
             if dev.type != "cuda" and (self.fp8_config.backend != "emulated" or
@@ -267,6 +266,8 @@ class Fp8Linear(nn.Linear):
         if self._fp8_backend is None or self._backend_device != device:
             self._fp8_backend = get_backend(self.fp8_config.backend, device)
             self._backend_device = device
+            if self.fp8_config.recipe in GRANULAR_RECIPES:  # eagerly, not in a traced forward
+                prepare_granular(self._fp8_backend, self.fp8_config.recipe, device)
         return self._fp8_backend
 
     def _apply(self, fn, *args, **kwargs):

@@ -29,9 +29,10 @@ from fp8boost import _state
 
 from .config import Fp8Config
 from .granular.function import granular_linear, weight_operands
+from .granular.gemm import prepare as prepare_granular
 from .prequantized import Fp8WeightTensor, dequantize_weight
 
-__all__ = ["granular_forward", "weight_operands"]
+__all__ = ["granular_forward", "prepare_granular", "weight_operands"]
 
 
 class _Dequantize(torch.autograd.Function):

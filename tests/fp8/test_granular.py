@@ -191,16 +191,23 @@ def test_gemm_refuses_mixed_operands_and_unknown_backends():
 def test_cublas_calls_satisfy_torch_scaled_mm_contract_on_meta():
     # torch's meta registrations check the exact scale shapes and strides the cuBLAS kernels
     # take, so the calls are verified here without a GPU (shapes not multiples of 128 too).
+    from fp8boost.fp8.granular.ops import blockwise_scaled_mm_call
+
     def op(shape, kind, scale_shape, dtype=E4M3):
         return GranularFp8(torch.empty(shape, dtype=dtype, device="meta"),
                            torch.empty(scale_shape, device="meta"), kind, 128)
     m, k, n = 300, 200, 260
     x, w = op((m, k), "tile", (m, 2)), op((n, k), "block", (3, 2))
-    assert blockwise_scaled_mm(x, w).shape == (m, n)
-    assert blockwise_scaled_mm(x, op((n, k), "tile", (n, 2), E5M2)).shape == (m, n)
+    a8, b8 = (torch.empty(384, 256, dtype=E4M3, device="meta") for _ in range(2))
     sa, sb = blockwise_scale_args(x, w, 384, 384, 256)
-    assert sa.shape == (384, 2) and sa.stride() == (1, 384)
-    assert sb.shape == (4, 3) and sb.stride() == (1, 4)  # L4 = round_up(K/128, 4)
+    # contiguous here; the op views them: [M, K/128] strides (1, M), [L4, N/128] strides (1, L4)
+    assert sa.shape == (2, 384) and sa.t().stride() == (1, 384)
+    assert sb.shape == (3, 4) and sb.t().stride() == (1, 4)  # L4 = round_up(K/128, 4)
+    assert blockwise_scaled_mm_call(a8, b8, sa, sb, True).shape == (384, 384)
+    t = op((n, k), "tile", (n, 2))  # wgrad: 1x128 x 1x128
+    sa, sb = blockwise_scale_args(x, t, 384, 384, 256)
+    assert blockwise_scaled_mm_call(a8, b8, sa, sb, False).shape == (384, 384)
+    assert blockwise_scaled_mm(x, w).shape == (m, n)  # through the custom op's fake impl
     assert rowwise_scaled_mm(op((m, k), "row", (m, 1)), op((n, k), "row", (n, 1)),
                              out_dtype=torch.float32).shape == (m, n)
 

@@ -109,3 +109,33 @@ def test_compiled_quantizers_match_eager(shape):
         differ = a != b
         assert differ.float().mean().item() <= 5e-3, (fn, differ.float().mean().item())
         assert ((a - b).abs()[differ] <= 1).all(), fn  # neighbouring codes only
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_compiled_fp8linear_has_no_graph_breaks(name):
+    """The compiled rowwise/blockwise Fp8Linear is one graph on the GPU: no log or probe is
+    traced (they run when the backend is resolved) and the blockwise GEMM is the custom op
+    fp8boost::blockwise_scaled_mm (dynamo skips torch._scaled_mm_v2). 27 graph breaks in a
+    4-layer Llama on an H100 before."""
+    from torch._dynamo.utils import counters
+
+    from fp8boost.fp8 import Fp8Linear
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = Fp8Linear(512, 384, config=Fp8Config.from_recipe(name)).cuda()
+    x0, _ = data(256, 512, 384)
+
+    def step(x):
+        return layer(x).float().square().mean()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        layer.zero_grad()
+        x = x0.float().clone().requires_grad_()
+        loss = fn(x)
+        loss.backward()
+        results.append((loss.detach(), x.grad, layer.weight.grad))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for got, ref in zip(*results[::-1]):
+        assert rel(got, ref) < 2e-2  # inductor's casts may round a few elements differently

@@ -90,40 +90,37 @@ def rowwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Tenso
 
 
 def blockwise_scale_args(a: GranularFp8, b: GranularFp8, m_pad: int, n_pad: int, k_pad: int):
-    """The scale tensors ``F.scaled_mm`` takes for (1x128, 128x128) or (1x128, 1x128).
-
-    Its contract (torch 2.13, ``_meta_registrations.py``), with ``mat_a[M,K]`` row-major and
-    ``mat_b = b[N,K].t()``: a 1x128 scale is ``[M, K/128]`` with strides ``[1, M]`` (the
-    transpose of a contiguous ``[K/128, M]``); a 128x128 scale of ``b`` is ``[L4, N/128]``
-    with strides ``[1, L4]``, ``L4 = round_up(K/128, 4)`` (the transpose of a contiguous
-    ``[N/128, L4]``, padding ignored); the 1x128 scale of ``b`` is ``[N, K/128]``, strides
-    ``[1, N]``. All dims here are already padded to multiples of 128.
+    """The scale tensors of :func:`fp8boost.fp8.granular.ops.blockwise_scaled_mm_op`,
+    contiguous: ``a``'s 1x128 scales as ``[K/128, M]``; ``b``'s 128x128 scales as
+    ``[N/128, L4]`` (``L4 = round_up(K/128, 4)``, padding ignored) or its 1x128 scales as
+    ``[K/128, N]``. The op views them into ``F.scaled_mm``'s layouts (torch 2.13,
+    ``_meta_registrations.py``: ``[M, K/128]`` strides ``[1, M]``; ``[L4, N/128]`` strides
+    ``[1, L4]``; ``[N, K/128]`` strides ``[1, N]``). All dims here are padded to multiples
+    of 128.
     """
     kb = k_pad // 128
-    sa = _pad2(a.inv_scale.float(), m_pad, kb, 1.0).t().contiguous().t()
+    sa = _pad2(a.inv_scale.float(), m_pad, kb, 1.0).t().contiguous()
     if b.kind == "block":
-        l4 = _round_up(kb, 4)
-        sb = _pad2(b.inv_scale.float(), n_pad // 128, l4, 1.0).contiguous().t()
+        sb = _pad2(b.inv_scale.float(), n_pad // 128, _round_up(kb, 4), 1.0).contiguous()
     else:
-        sb = _pad2(b.inv_scale.float(), n_pad, kb, 1.0).t().contiguous().t()
+        sb = _pad2(b.inv_scale.float(), n_pad, kb, 1.0).t().contiguous()
     return sa, sb
 
 
 def blockwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Tensor] = None,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The cuBLAS blockwise call (``torch.nn.functional.scaled_mm``, scales as in
-    :func:`blockwise_scale_args`), dims zero-padded to multiples of 128; BF16 out."""
-    from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
+    """The cuBLAS blockwise GEMM (``torch.nn.functional.scaled_mm`` inside the custom op
+    ``fp8boost::blockwise_scaled_mm``, which ``torch.compile`` keeps as one node), dims
+    zero-padded to multiples of 128; BF16 out."""
+    from .ops import blockwise_scaled_mm_op
 
     m, k = a.data.shape
     n = b.data.shape[0]
     # Zero padding: padded elements contribute 0 whatever their (unit) scale.
     mp, kp, np_ = _round_up(m, 128), _round_up(k, 128), _round_up(n, 128)
     sa, sb = blockwise_scale_args(a, b, mp, np_, kp)
-    kind_b = ScalingType.BlockWise128x128 if b.kind == "block" else ScalingType.BlockWise1x128
-    out = scaled_mm(_pad2(a.data, mp, kp), _pad2(b.data, np_, kp).t(), sa,
-                    ScalingType.BlockWise1x128, sb, kind_b, swizzle_a=SwizzleType.NO_SWIZZLE,
-                    swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=torch.bfloat16)
+    out = blockwise_scaled_mm_op(_pad2(a.data, mp, kp), _pad2(b.data, np_, kp), sa, sb,
+                                 b.kind == "block")
     out = out[:m, :n]
     if bias is not None:
         out = out.float() + bias.float()
@@ -161,6 +158,21 @@ def blockwise_gemm_unavailable(device: torch.device) -> Optional[str]:
                  lambda: _try_blockwise(torch.device("cuda", idx)))
 
 
+_TRITON_USES_CUBLAS = ("fp8boost: rowwise/blockwise GEMMs run through cuBLAS (torch scaled_mm): "
+                       "no Triton kernel for them yet")
+
+
+def prepare(backend, recipe: str, device: torch.device) -> None:
+    """What ``granular_mm`` decides once, done eagerly when a layer resolves its backend: log
+    the GEMM choice and probe cuBLAS blockwise. A compiled forward then never traces a log
+    or a probe (a lock or a trial GEMM there breaks dynamo's graph)."""
+    name = backend if isinstance(backend, str) else getattr(backend, "name", None)
+    if name == "triton":
+        log_once(_LOG, "granular-triton-uses-cublas", _TRITON_USES_CUBLAS)
+    if recipe == "blockwise" and name in ("cublas", "triton"):
+        blockwise_gemm_unavailable(device)
+
+
 def _dequant_bf16_mm(a: GranularFp8, b: GranularFp8, bias, out_dtype):
     out = torch.mm(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t())
     if bias is not None:
@@ -193,10 +205,8 @@ def granular_mm(a: GranularFp8, b: GranularFp8, backend, *, bias: Optional[torch
         return emulated_mm(a, b, bias=bias, out_dtype=out_dtype)
     if name not in ("cublas", "triton"):
         raise ValueError(f"granular_mm: unknown backend {name!r}; use emulated|cublas|triton")
-    if name == "triton":
-        log_once(_LOG, "granular-triton-uses-cublas",
-                 "fp8boost: rowwise/blockwise GEMMs run through cuBLAS (torch scaled_mm): no "
-                 "Triton kernel for them yet")
+    if name == "triton" and not torch.compiler.is_compiling():  # logged eagerly: prepare()
+        log_once(_LOG, "granular-triton-uses-cublas", _TRITON_USES_CUBLAS)
     if a.kind == "row":
         return rowwise_scaled_mm(a, b, bias, out_dtype, use_fast_accum)
     why = ("block size %d (cuBLAS takes 128)" % a.block if a.block != 128
