@@ -41,7 +41,7 @@ class _Dequantize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t):
-        return _Dequantize.apply(t)
+        return dequantize_weight(t)
 
     @staticmethod
     def backward(ctx, grad):

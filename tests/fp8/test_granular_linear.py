@@ -152,3 +152,32 @@ def test_compiled_model_traces_without_graph_breaks(name):
     assert counters["stats"]["unique_graphs"] == 1
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     assert all(torch.equal(a, p.grad) for a, p in zip(eager_grads, model.parameters()))
+
+
+def test_fp8_carrier_input_is_dequantized_once_with_a_warning():
+    """An FP8 carrier (one scale per tensor) reaching a rowwise layer: dequantized, warned
+    once, and the layer's output is the one of the plain weight's value (its gradient passes
+    through as a plain tensor)."""
+    import warnings
+
+    from fp8boost import _state
+    from fp8boost.fp8.prequantized import Fp8WeightTensor, dequantize_weight
+    from fp8boost.fp8.scaling import amax, cast_to_fp8, scale_from_amax
+
+    _state.reset()
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, bias=False,
+                      config=Fp8Config.from_recipe("rowwise", backend="emulated"))
+    w = layer.weight.detach()
+    s = scale_from_amax(amax(w), torch.float8_e4m3fn)
+    carrier = Fp8WeightTensor(cast_to_fp8(w, s, torch.float8_e4m3fn), s.reciprocal(), w.dtype)
+    x = torch.randn(8, 64)
+    from fp8boost.fp8.linear_granular import granular_forward
+
+    with pytest.warns(UserWarning, match="dequantizes an FP8 weight"):
+        y = granular_forward(x, carrier, None, layer.fp8_config, "emulated")
+    ref = granular_forward(x, dequantize_weight(carrier), None, layer.fp8_config, "emulated")
+    assert torch.equal(y, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        granular_forward(x, carrier, None, layer.fp8_config, "emulated")  # once

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..config import GRANULAR_RECIPES, Fp8Config
-from .gemm import granular_mm
+from .gemm import cast_result, granular_mm
 from .quantize import GranularFp8, quantize_operands
 
 
@@ -111,13 +111,13 @@ class GranularLinearFunction(torch.autograd.Function):
         if ctx.need_wgrad and ctx.hp_wgrad:
             # torchao's rowwise_with_gw_hp: the unquantized product, in the input's dtype
             # (BF16 in training: a BF16 GEMM with FP32 accumulation).
-            dw = torch.mm(dy.t(), x_hp.to(dy.dtype)).to(ctx.w_dtype)
+            dw = cast_result(torch.mm(dy.t(), x_hp.to(dy.dtype)), ctx.w_dtype)
         elif ctx.need_wgrad:
             xq_t = GranularFp8(xt_data, xt_inv, x_kind, x_block)
             dw = granular_mm(dyq_t, xq_t, backend, out_dtype=ctx.w_dtype,
                              use_fast_accum=_fast_accum(cfg, "wgrad"))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.float().sum(0).to(ctx.b_dtype)
+            db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
         return dx, dw, db, None, None, None
 
 

@@ -42,6 +42,15 @@ def _pad2(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Te
     return out
 
 
+def cast_result(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without a no-op ``.to``. A GEMM result is what an autograd.Function
+    returns (y, dx, dW), and torch 2.11's dynamo lost every gradient of a Function whose output
+    came from a no-op ``.to()`` (an alias of an intermediate): zero gradients for FP32 layers
+    and a 4-layer BF16 Llama that stopped learning, compiled, on the H100; torch 2.13 is right.
+    Tested in tests/fp8/test_granular_linear.py."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
@@ -66,7 +75,7 @@ def emulated_mm(a: GranularFp8, b: GranularFp8, *, bias: Optional[torch.Tensor] 
     out = a.dequantize() @ b.dequantize().t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype)
+    return cast_result(out, out_dtype)
 
 
 def rowwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Tensor] = None,
@@ -86,7 +95,7 @@ def rowwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Tenso
     out = out[:m, :n]
     if bias is not None:
         out = out.float() + bias.float()
-    return out.to(out_dtype)
+    return cast_result(out, out_dtype)
 
 
 def blockwise_scale_args(a: GranularFp8, b: GranularFp8, m_pad: int, n_pad: int, k_pad: int):
@@ -124,7 +133,7 @@ def blockwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Ten
     out = out[:m, :n]
     if bias is not None:
         out = out.float() + bias.float()
-    return out.to(out_dtype)
+    return cast_result(out, out_dtype)
 
 
 def _try_blockwise(device: torch.device) -> Optional[str]:
@@ -177,7 +186,7 @@ def _dequant_bf16_mm(a: GranularFp8, b: GranularFp8, bias, out_dtype):
     out = torch.mm(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).t())
     if bias is not None:
         out = out.float() + bias.float()
-    return out.to(out_dtype)
+    return cast_result(out, out_dtype)
 
 
 def granular_mm(a: GranularFp8, b: GranularFp8, backend, *, bias: Optional[torch.Tensor] = None,
