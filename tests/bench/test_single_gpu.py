@@ -39,7 +39,8 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert args.shapes == ["1b", "7b-4l", "8b-4l"] and "tiny" not in args.shapes
     assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
                           "fp8_eager_all", "fp8_compiled_all"]
-    assert len(sg.parse_args(["--modes", "all"]).modes) == 15  # 6 default + 4 optional + 5 ablations
+    # 6 default + 4 optional + 5 ablations + 7 of issue 26's recipes
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 22
     with pytest.raises(ValueError, match="unknown shape"):
         sg.parse_args(["--shapes", "1b,70b"])
     with pytest.raises(ValueError, match="unknown mode"):
@@ -57,6 +58,12 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert (info["kv_heads"], info["heads"], info["ffn"], info["layers"]) == (8, 32, 14336, 4)
     targs = sg.train.parse_args(sg.cell_argv(args, "1b", "torchao_compiled", "x.json")[2:])
     assert targs.configs == ["single_torchao"] and targs.fp8_min_numel is None
+    targs = sg.train.parse_args(sg.cell_argv(args, "8b-4l", "torchao_rowwise_compiled",
+                                             "x.json")[2:])
+    assert targs.torchao_recipe == "rowwise"
+    targs = sg.train.parse_args(sg.cell_argv(args, "8b-4l", "fp8_blockwise_compiled",
+                                             "x.json")[2:])
+    assert targs.fp8_options == "named=blockwise" and targs.fp8_min_numel == 0
     # --isolate passes the new flags on to each torchrun.
     child = sg.train._child_argv(sg.train.parse_args(["--heads", "32", "--kv-heads", "8",
                                                       "--fused-adamw"]), "single_bf16", "o.json")

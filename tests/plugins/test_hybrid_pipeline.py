@@ -143,8 +143,9 @@ def test_bad_pipeline_arguments_raise_before_any_collective() -> None:
         hp(pp_size=2, num_microbatches=5, pp_style="interleaved", num_model_chunks=2)
     with pytest.raises(ValueError, match="num_microbatches >= pp_size"):
         hp(pp_size=4, num_microbatches=2)
-    with pytest.raises(ValueError, match="need pp_size > 1"):
-        hp(num_microbatches=2)
+    # pp 1: pipeline options are ignored with one INFO line, as Colossal-AI does (pinned in
+    # tests/plugins/test_colossal_args_hybrid.py)
+    assert hp(num_microbatches=2).pipeline is None
     with pytest.raises(ValueError, match="do not split evenly"):
         Booster(plugin=hp(pp_size=2, num_microbatches=2)).boost(tiny_model(3))
     with pytest.raises(ValueError, match="sums to"):
