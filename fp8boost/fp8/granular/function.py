@@ -27,10 +27,11 @@ from .quantize import GranularFp8, quantize_operands
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, cfg: Fp8Config, *, weight: bool,
-              rows: bool, cols: bool):
+              rows: bool, cols: bool, backend=None):
+    # backend triton/cublas: eager CUDA casts take the Triton kernels (the same bytes).
     return quantize_operands(x, dtype, cfg.recipe, weight=weight, rows=rows, cols=cols,
                              block=cfg.block_size, margin=cfg.margin,
-                             power_of_2=cfg.power_of_2_scale)
+                             power_of_2=cfg.power_of_2_scale, backend=backend)
 
 
 def _fast_accum(cfg: Fp8Config, which: str) -> bool:
@@ -64,13 +65,13 @@ class GranularLinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
         xq, xq_t = _quantize(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
-                             cols=need_wgrad and not hp_wgrad)
+                             cols=need_wgrad and not hp_wgrad, backend=backend)
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
         if weight_q is not None:  # made by weight_operands: the same bytes
             wq, wq_t = weight_q[0], weight_q[1] if keep_wt else None
         else:
             wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
-                                 cols=keep_wt)
+                                 cols=keep_wt, backend=backend)
         y = granular_mm(xq, wq, backend, bias=bias, out_dtype=x2d.dtype,
                         use_fast_accum=_fast_accum(cfg, "fprop"))
         ctx.cfg, ctx.backend = cfg, backend
@@ -96,14 +97,14 @@ class GranularLinearFunction(torch.autograd.Function):
         x_kind, x_block, w_kind, w_block = ctx.kinds
         dy = dy.contiguous()
         dyq, dyq_t = _quantize(dy, cfg.grad_dtype, cfg, weight=False, rows=ctx.need_dgrad,
-                               cols=ctx.need_wgrad and not ctx.hp_wgrad)
+                               cols=ctx.need_wgrad and not ctx.hp_wgrad, backend=backend)
         dx = dw = db = None
         if ctx.need_dgrad:
             if ctx.weight_t is not None:
                 wq_t = ctx.weight_t
             elif ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
                 _, wq_t = _quantize(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
-                                    cols=True)
+                                    cols=True, backend=backend)
             else:
                 wq_t = GranularFp8(wt_data, wt_inv, w_kind, w_block)
             dx = granular_mm(dyq, wq_t, backend, out_dtype=ctx.x_dtype,

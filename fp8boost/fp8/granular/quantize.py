@@ -36,11 +36,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import logging
+
 import torch
 
+from ... import _state
 from ..scaling import E4M3, cast_to_fp8, scale_from_amax
 
 KINDS = ("row", "tile", "block")
+# Backends whose eager CUDA casts take the Triton kernels (fp8boost.fp8.kernels.granular_cast).
+FUSED_BACKENDS = ("triton", "cublas")
+_LOG = logging.getLogger("fp8boost.fp8.granular")
 
 
 @dataclass
@@ -174,9 +180,39 @@ def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 
     return GranularFp8(data[:n, :k].contiguous(), scale.reciprocal(), "block", block)
 
 
+def _import_kernels():
+    try:
+        from ..kernels import granular_cast
+    except Exception as e:  # noqa: BLE001 (no/broken Triton: any import error means "no")
+        _state.log_once(_LOG, "granular-cast-import", f"granular FP8 casts: Triton kernels "
+                        f"unavailable ({type(e).__name__}: {e}); using the torch reference")
+        return None
+    return granular_cast
+
+
+def fused_kernels(x: torch.Tensor, backend) -> Optional[object]:
+    """The Triton cast module when ``x`` should take it, else None (use the torch ops).
+
+    Taken in eager mode on CUDA under the ``triton``/``cublas`` backends, for plain tensors,
+    once Triton imported (checked once per process). Under ``torch.compile`` the torch ops
+    stay, so that inductor fuses them into the producer of ``x``.
+
+    Args:
+        x: the tensor to quantize.
+        backend: an ``Fp8Backend`` or its name (None: the reference).
+    """
+    name = backend if backend is None or isinstance(backend, str) else \
+        getattr(backend, "name", None)
+    if name not in FUSED_BACKENDS or type(x) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return None
+    return _state.probe("granular-triton-cast", _import_kernels)
+
+
 def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weight: bool,
                       rows: bool = True, cols: bool = False, block: int = 128, margin: int = 0,
-                      power_of_2: bool = False
+                      power_of_2: bool = False, backend=None
                       ) -> tuple[Optional[GranularFp8], Optional[GranularFp8]]:
     """Every operand the GEMMs need from one tensor ``x[R, C]``, in one call.
 
@@ -185,7 +221,10 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
     ``recipe`` ``rowwise``: per-row scales of each operand. ``blockwise``: activations and
     gradients (``weight=False``) in 1 x ``block`` tiles along each operand's reduced dim,
     weights in ``block`` x ``block`` blocks whose transpose is the ``cols`` operand (the same
-    bytes and scales). A fused kernel implements this same contract in one read of ``x``.
+    bytes and scales). ``backend`` (an ``Fp8Backend`` or its name): under ``triton`` or
+    ``cublas``, eager CUDA calls take the Triton kernels of
+    :mod:`fp8boost.fp8.kernels.granular_cast` (the same bytes, in fewer reads of ``x``; see
+    :func:`fused_kernels`); otherwise these torch ops.
 
     Returns:
         ``(rows_operand or None, cols_operand or None)``.
@@ -197,6 +236,10 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
         ((256, 1), (64, 256), (64, 2))
     """
     kw = {"margin": margin, "power_of_2": power_of_2}
+    kernels = fused_kernels(x, backend)
+    if kernels is not None and kernels.supports(x, dtype, recipe, block=block, **kw):
+        return kernels.quantize_operands(x, dtype, recipe, weight=weight, rows=rows, cols=cols,
+                                         block=block, **kw)
     if recipe == "rowwise":
         return (quantize_rows(x, dtype, **kw) if rows else None,
                 quantize_cols_t(x, dtype, **kw) if cols else None)

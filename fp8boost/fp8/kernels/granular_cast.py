@@ -1,0 +1,337 @@
+"""Triton casts for the rowwise and blockwise recipes: the contract of
+:func:`fp8boost.fp8.granular.quantize.quantize_operands`, bit for bit, in fewer reads of ``x``.
+
+Numerics are those of ``fp8boost.fp8.kernels.cast`` (see its docstring): amaxes are integer
+maxima over the bit patterns of ``|x|`` in FP32 (exact, NaN-propagating),
+:func:`~fp8boost.fp8.kernels.cast.tl_scale_from_amax` mirrors ``scaling.scale_from_amax``
+operation by operation (``fmax / amax`` evaluated as torch does: an IEEE reciprocal, then a
+rounded multiply), the cast is ``x.float() * scale`` clamped to +-fp8_max (NaN passes) with
+round-to-nearest-even, and ``inv_scale`` is the IEEE reciprocal of the scale. Masked loads fill
+with zeros, which is what the reference's zero padding does to a partial tile's amax.
+
+Reads of ``x`` (DRAM; a re-read of a tile the same program just loaded is L1/L2-hot):
+
+==========================  =====  ==============================================================
+layout                      reads  how
+==========================  =====  ==============================================================
+blockwise tiles (+ ^T)      1      one program per ``b x b`` tile: its ``b`` row amaxes and ``b``
+                                   column amaxes, the row-tiled bytes and the transposed
+                                   column-tiled bytes, both sets of scales
+blockwise weight (+ ^T)     1      one program per ``b x b`` block: one amax, data, data^T
+rowwise rows only           2      one program per row block, looping over C twice (amax, then
+                                   cast; the second sweep re-reads the block, mostly from L2)
+rowwise cols (+ rows)       2      amax pass (row and column amaxes at once, integer atomic max),
+                                   then one cast pass writing data and data^T
+==========================  =====  ==============================================================
+
+A float32 input re-reads its tile in transposed order for the transposed copy (as
+``kernels.cast`` does, ``T_RELOAD``: Triton 3.6 miscompiled the register transpose of that case);
+the re-read hits L1/L2, not DRAM.
+
+Inputs the kernels do not take (not 2-D, not float32/bfloat16/float16, empty, a block that is
+not a power of two in [16, 128], power-of-2 scales with ``margin > 6``, where the scale can be
+subnormal and the exponent-bit rounding would differ from ``frexp``) are answered by
+:func:`supports` as False; the caller then uses the torch reference.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..granular.quantize import GranularFp8
+from ..scaling import FP8_DTYPES, fp8_max
+from .cast import abs_bits, tl_scale_from_amax
+from .tuning import interpreting
+
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
+# (mantissa bits, smallest normal exponent) for the interpreter's grid rounding.
+_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
+# Power-of-2 scales with a larger margin can be subnormal (fp8_max / 2**7 / FP32 max < 2**-126).
+MAX_POW2_MARGIN = 6
+# (BLOCK_R, BLOCK_C, num_warps) of the rowwise kernels on the GPU and under the interpreter.
+ROWWISE_TILE = (64, 128, 8)
+ROWS_LOOP_TILE = (16, 512, 8)
+_INTERP_TILE = (32, 64, 1)
+
+
+@triton.jit
+def _grid_round(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # Interpreter only: RNE to the FP8 grid in FP32 (as kernels.cast does).
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    magic = ((e - MANT_BITS + 150) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + magic) - magic
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even.
+    y = x * scale
+    y = tl.where(y > fmax, fmax, y)
+    y = tl.where(y < -fmax, -fmax, y)
+    if EMULATE:
+        y = _grid_round(y, MANT_BITS, MIN_EXP)
+    q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
+    if EMULATE:  # the interpreter makes NaN finite: write torch's NaN byte, 0x7F with y's sign
+        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        q = tl.where(y != y, sign | 0x7F, q)
+    return q
+
+
+@triton.jit
+def _offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+             IDX64: tl.constexpr):
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    if IDX64:  # >= 2**31 elements: int32 offsets would wrap
+        offs_r = offs_r.to(tl.int64)
+        offs_c = offs_c.to(tl.int64)
+    return offs_r, offs_c
+
+
+@triton.jit
+def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_ptr,
+                      R, C, stride_r, stride_c, n_tr, n_tc, fmax, target,
+                      MODE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                      POW2: tl.constexpr, T_RELOAD: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                      EMULATE: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                      IDX64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # MODE 0: blockwise 1 x b tiles (rows) and b x 1 tiles (cols), amaxes from this tile.
+    # MODE 1: blockwise weight, one amax per b x b tile. MODE 2: rowwise, amaxes given.
+    tr = tl.program_id(0)
+    tc = tl.program_id(1)
+    offs_r, offs_c = _offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
+    in_r = offs_r < R
+    in_c = offs_c < C
+    mask = in_r[:, None] & in_c[None, :]
+    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                other=0.0).to(tl.float32)
+    if MODE == 1:
+        s = tl_scale_from_amax(tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(
+            tl.float32, bitcast=True), target, POW2)
+        inv = tl.math.div_rn(1.0, s)
+        q = _fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+        tl.store(inv_ptr + tr * n_tc + tc, inv)
+        if COLS:
+            mask_t = in_c[:, None] & in_r[None, :]
+            if T_RELOAD:  # see the module docstring
+                xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
+                             mask=mask_t, other=0.0).to(tl.float32)
+                qt = _fp8_bytes(xt, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+            else:
+                qt = tl.trans(q)
+            tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
+            tl.store(invt_ptr + tc * n_tr + tr, inv)
+    else:
+        if ROWS:
+            if MODE == 0:
+                ra = tl.max(abs_bits(x), axis=1)
+            else:
+                ra = tl.load(ramax_ptr + offs_r, mask=in_r, other=0)
+            s_r = tl_scale_from_amax(ra.to(tl.float32, bitcast=True), target, POW2)
+            q = _fp8_bytes(x, s_r[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+            tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+            if MODE == 0:
+                tl.store(inv_ptr + offs_r * n_tc + tc, tl.math.div_rn(1.0, s_r), mask=in_r)
+            elif tc == 0:  # rowwise [R, 1]: the first column of tiles writes it
+                tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s_r), mask=in_r)
+        if COLS:
+            if MODE == 0:
+                ca = tl.max(abs_bits(x), axis=0)
+            else:
+                ca = tl.load(camax_ptr + offs_c, mask=in_c, other=0)
+            s_c = tl_scale_from_amax(ca.to(tl.float32, bitcast=True), target, POW2)
+            mask_t = in_c[:, None] & in_r[None, :]
+            if T_RELOAD:
+                xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
+                             mask=mask_t, other=0.0).to(tl.float32)
+                qt = _fp8_bytes(xt, s_c[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+            else:
+                qt = tl.trans(_fp8_bytes(x, s_c[None, :], fmax, OUT_DTYPE, EMULATE, MANT_BITS,
+                                         MIN_EXP))
+            tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
+            if MODE == 0:
+                tl.store(invt_ptr + offs_c * n_tr + tr, tl.math.div_rn(1.0, s_c), mask=in_c)
+            elif tr == 0:
+                tl.store(invt_ptr + offs_c, tl.math.div_rn(1.0, s_c), mask=in_c)
+
+
+@triton.jit
+def _amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, IDX64: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Rowwise pass 1: this tile's row and column amaxes (|x| bit patterns) into zeroed int32
+    # buffers by integer atomic max (order-independent: the result is deterministic).
+    offs_r, offs_c = _offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
+    in_r = offs_r < R
+    in_c = offs_c < C
+    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+                mask=in_r[:, None] & in_c[None, :], other=0.0)
+    bits = abs_bits(x)
+    if ROWS:
+        tl.atomic_max(ramax_ptr + offs_r, tl.max(bits, axis=1), mask=in_r)
+    if COLS:
+        tl.atomic_max(camax_ptr + offs_c, tl.max(bits, axis=0), mask=in_c)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, q_ptr, inv_ptr, R, C, stride_r, stride_c, fmax, target,
+                 POW2: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+                 MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, IDX64: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Rowwise rows only: one program per BLOCK_R rows, sweeping C twice (amax, then cast).
+    pid = tl.program_id(0)
+    offs_r, offs_c0 = _offsets(pid, 0, R, C, BLOCK_R, BLOCK_C, IDX64)
+    in_r = offs_r < R
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + offs_c0
+        mask = in_r[:, None] & (offs_c[None, :] < C)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0)
+        acc = tl.maximum(acc, abs_bits(x))
+    s = tl_scale_from_amax(tl.max(acc, axis=1).to(tl.float32, bitcast=True), target, POW2)
+    tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s), mask=in_r)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + offs_c0
+        mask = in_r[:, None] & (offs_c[None, :] < C)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
+        q = _fp8_bytes(x, s[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+
+
+def supports(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, block: int = 128,
+             margin: int = 0, power_of_2: bool = False) -> bool:
+    """Whether :func:`quantize_operands` takes these inputs (else use the torch reference).
+
+    Example:
+        >>> supports(torch.randn(0, 8), torch.float8_e4m3fn, "rowwise")
+        False
+    """
+    if not torch.is_tensor(x) or x.dim() != 2 or x.numel() == 0:
+        return False
+    if x.dtype not in _HIGH_PRECISION or dtype not in FP8_DTYPES:
+        return False
+    if recipe not in ("rowwise", "blockwise"):
+        return False
+    if recipe == "blockwise" and (block < 16 or block > 128 or block & (block - 1)):
+        return False
+    if x.device.type != "cuda" and not interpreting():
+        return False
+    return not (power_of_2 and margin > MAX_POW2_MARGIN)
+
+
+def _needs_int64(x: torch.Tensor) -> bool:
+    r, c = x.shape
+    span = (r - 1) * abs(x.stride(0)) + (c - 1) * abs(x.stride(1)) + 1
+    return max(span, r * c) >= 2**31
+
+
+def _common(x: torch.Tensor, dtype: torch.dtype, margin: int, power_of_2: bool) -> dict:
+    mant, min_exp = _GRID[dtype]
+    return dict(POW2=bool(power_of_2), OUT_DTYPE=_TL_DTYPES[dtype], EMULATE=interpreting(),
+                MANT_BITS=mant, MIN_EXP=min_exp, IDX64=_needs_int64(x))
+
+
+def _launch_tiles(x, dtype, mode, rows, cols, br, bc, warps, kw, ramax=None, camax=None):
+    """One ``_tile_cast_kernel`` launch; returns (data, inv, data_t, inv_t) (None if not asked)."""
+    r, c = x.shape
+    dev = x.device
+    n_tr, n_tc = triton.cdiv(r, br), triton.cdiv(c, bc)
+    shapes = {0: ((r, n_tc), (c, n_tr)), 1: ((n_tr, n_tc), (n_tc, n_tr)), 2: ((r, 1), (c, 1))}
+    inv_shape, invt_shape = shapes[mode]
+    data = torch.empty((r, c), dtype=dtype, device=dev) if rows or mode == 1 else None
+    inv = torch.empty(inv_shape, dtype=torch.float32, device=dev) if rows or mode == 1 else None
+    data_t = torch.empty((c, r), dtype=dtype, device=dev) if cols else None
+    inv_t = torch.empty(invt_shape, dtype=torch.float32, device=dev) if cols else None
+    u8 = [t.view(torch.uint8) if t is not None and t.dtype == dtype else t
+          for t in (data, data_t)]
+    dummy = torch.empty(1, dtype=torch.int32, device=dev)
+    fmax = fp8_max(dtype)
+    _tile_cast_kernel[(n_tr, n_tc)](
+        x, u8[0] if u8[0] is not None else dummy, inv if inv is not None else dummy,
+        u8[1] if u8[1] is not None else dummy, inv_t if inv_t is not None else dummy,
+        ramax if ramax is not None else dummy, camax if camax is not None else dummy,
+        r, c, x.stride(0), x.stride(1), n_tr, n_tc, fmax, fmax / (2.0 ** kw["margin"]),
+        MODE=mode, ROWS=bool(rows), COLS=bool(cols), T_RELOAD=x.dtype == torch.float32,
+        BLOCK_R=br, BLOCK_C=bc, num_warps=warps, **_common(x, dtype, kw["margin"],
+                                                          kw["power_of_2"]))
+    return data, inv, data_t, inv_t
+
+
+def _rowwise(x, dtype, rows, cols, kw):
+    r, c = x.shape
+    dev = x.device
+    fmax = fp8_max(dtype)
+    common = _common(x, dtype, kw["margin"], kw["power_of_2"])
+    if not cols:  # rows only: one launch, one program per row block
+        br, bc, warps = _INTERP_TILE if interpreting() else ROWS_LOOP_TILE
+        data = torch.empty((r, c), dtype=dtype, device=dev)
+        inv = torch.empty((r, 1), dtype=torch.float32, device=dev)
+        _rows_kernel[(triton.cdiv(r, br),)](
+            x, data.view(torch.uint8), inv, r, c, x.stride(0), x.stride(1), fmax,
+            fmax / (2.0 ** kw["margin"]), BLOCK_R=br, BLOCK_C=bc, num_warps=warps, **common)
+        return GranularFp8(data, inv, "row"), None
+    br, bc, warps = _INTERP_TILE if interpreting() else ROWWISE_TILE
+    ramax = torch.zeros(r, dtype=torch.int32, device=dev)
+    camax = torch.zeros(c, dtype=torch.int32, device=dev)
+    _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
+        x, ramax, camax, r, c, x.stride(0), x.stride(1), ROWS=bool(rows), COLS=True,
+        IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+    data, inv, data_t, inv_t = _launch_tiles(x, dtype, 2, rows, True, br, bc, warps, kw,
+                                             ramax, camax)
+    return (GranularFp8(data, inv, "row") if rows else None), GranularFp8(data_t, inv_t, "row")
+
+
+def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weight: bool,
+                      rows: bool = True, cols: bool = False, block: int = 128, margin: int = 0,
+                      power_of_2: bool = False
+                      ) -> tuple[Optional[GranularFp8], Optional[GranularFp8]]:
+    """:func:`fp8boost.fp8.granular.quantize.quantize_operands` in Triton: the same bytes.
+
+    Args:
+        x: 2-D float32/bfloat16/float16 CUDA tensor ``[R, C]`` (any strides); check
+            :func:`supports` first.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        recipe: ``"rowwise"`` or ``"blockwise"``.
+        weight: blockwise only: ``block x block`` blocks (else 1 x ``block`` tiles).
+        rows: make the operand reduced over C (``x`` itself).
+        cols: make the operand reduced over R (``x^T``).
+        block: tile length / block side (blockwise).
+        margin: scales target ``fp8_max / 2**margin``.
+        power_of_2: round scales down to powers of two.
+
+    Returns:
+        ``(rows_operand or None, cols_operand or None)``.
+
+    Example:
+        >>> x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+        >>> xq, xq_t = quantize_operands(x, torch.float8_e4m3fn, "blockwise", weight=False,
+        ...                              cols=True)
+        >>> tuple(xq_t.inv_scale.shape)
+        (64, 2)
+    """
+    if not supports(x, dtype, recipe, block=block, margin=margin, power_of_2=power_of_2):
+        raise ValueError(f"granular_cast.quantize_operands cannot take x {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}, {recipe} block={block} margin={margin} "
+                         f"power_of_2={power_of_2}; use the torch reference (granular.quantize)")
+    if not rows and not cols:
+        return None, None
+    kw = {"margin": margin, "power_of_2": power_of_2}
+    if recipe == "rowwise":
+        return _rowwise(x, dtype, rows, cols, kw)
+    warps = 1 if interpreting() else (8 if block >= 128 else 4)
+    data, inv, data_t, inv_t = _launch_tiles(x, dtype, 1 if weight else 0, rows, cols, block,
+                                             block, warps, kw)
+    kind = "block" if weight else "tile"
+    return (GranularFp8(data, inv, kind, block) if rows else None,
+            GranularFp8(data_t, inv_t, kind, block) if cols else None)

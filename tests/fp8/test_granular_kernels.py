@@ -1,0 +1,242 @@
+"""Triton rowwise/blockwise casts (``fp8boost.fp8.kernels.granular_cast``) against the torch
+reference (``fp8boost.fp8.granular.quantize``).
+
+CPU (CI): the kernels run in Triton's interpreter in a child process (as in
+``test_triton_kernels.py``: the interpreter must be on before triton is imported), at shapes
+with full and partial tiles, outliers x1000, zero tiles/rows/columns and a NaN. Bytes and
+scales must be identical; NaN bytes and NaN scales are compared as "NaN" (their sign bit comes
+from whichever NaN the hardware propagated, which the reference itself does not fix).
+
+GPU (``@pytest.mark.gpu``): the CUDA path that ``quantize_operands(..., backend="triton")``
+takes equals the reference, with a timing print.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fp8boost.fp8.granular import quantize as Q
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_CHILD = os.environ.get("FP8BOOST_TRITON_INTERP_CHILD") == "1"
+# (recipe, weight, rows, cols): every layout quantize_operands makes.
+LAYOUTS = [("blockwise", False, True, True), ("blockwise", True, True, True),
+           ("rowwise", False, True, False), ("rowwise", False, True, True),
+           ("rowwise", False, False, True)]
+SHAPES = [(128, 256), (200, 300), (7, 130)]
+# (fp8 dtype, margin, power_of_2)
+SCALINGS = [(E4M3, 0, False), (E5M2, 0, True), (E4M3, 2, True)]
+
+
+def _canon(q: torch.Tensor) -> torch.Tensor:
+    u = q.view(torch.uint8).clone()
+    u[q.float().isnan()] = 0x7F
+    return u
+
+
+def assert_same(got, ref, what) -> None:
+    """Two ``GranularFp8`` (or None) with identical layout, bytes and scales (NaN as NaN)."""
+    if ref is None or got is None:
+        assert got is None and ref is None, what
+        return
+    assert (got.kind, got.block) == (ref.kind, ref.block), what
+    assert got.data.shape == ref.data.shape and got.data.dtype == ref.data.dtype, what
+    assert got.inv_scale.shape == ref.inv_scale.shape, (what, got.inv_scale.shape)
+    assert got.data.is_contiguous() and got.inv_scale.is_contiguous(), what
+    a, b = _canon(got.data.cpu()), _canon(ref.data.cpu())
+    bad = (a != b).nonzero()
+    assert bad.shape[0] == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[:4].tolist()}"
+    sa, sb = got.inv_scale.cpu().clone(), ref.inv_scale.cpu().clone()
+    assert torch.equal(sa.isnan(), sb.isnan()), what
+    sa[sa.isnan()] = 0
+    sb[sb.isnan()] = 0
+    assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), f"{what}: scales differ"
+
+
+def make_input(shape, xdtype=torch.bfloat16, seed=0, nan=True) -> torch.Tensor:
+    """Random values with an outlier x1000, a zero tile, a zero row and column, and a NaN."""
+    r, c = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, c, generator=g) * 3
+    x[r // 3, c // 4] *= 1000
+    x[: min(r, 128), 128:256] = 0  # a whole zero tile/block where the shape has one
+    x[r - 1] = 0
+    x[:, c - 1] = 0
+    if nan:
+        x[r // 2, 3] = float("nan")
+    return x.to(xdtype)
+
+
+def test_interpreter_suite():
+    """Runs ``TestInterpreter`` below in a fresh process with ``TRITON_INTERPRET=1``."""
+    if _CHILD:
+        pytest.skip("already inside the interpreter child process")
+    from importlib.metadata import version
+
+    if tuple(int(v) for v in version("triton").split(".")[:2]) < (3, 7):
+        pytest.skip("the kernels' interpreter tests need Triton >= 3.7 (CI has 3.7/3.9)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FP8BOOST_TRITON_INTERP_CHILD": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{os.path.abspath(__file__)}::TestInterpreter"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    summary = [ln for ln in tail.splitlines() if " passed" in ln]
+    assert summary and "skipped" not in summary[-1], tail
+
+
+@pytest.fixture(scope="class")
+def gc():
+    """The kernel module, imported with the interpreter on (child process only)."""
+    if not _CHILD:
+        pytest.skip("runs in a child process (see test_interpreter_suite)")
+    from fp8boost.fp8.kernels import granular_cast
+
+    return granular_cast
+
+
+def _check(gc, x, dtype, layout, margin=0, power_of_2=False, what=""):
+    recipe, weight, rows, cols = layout
+    kw = dict(weight=weight, rows=rows, cols=cols, margin=margin, power_of_2=power_of_2)
+    assert gc.supports(x, dtype, recipe, margin=margin, power_of_2=power_of_2)
+    got = gc.quantize_operands(x, dtype, recipe, **kw)
+    ref = Q.quantize_operands(x, dtype, recipe, **kw)
+    for g, r, side in zip(got, ref, ("rows", "cols")):
+        assert_same(g, r, f"{what} {layout} {side} {dtype} margin={margin} p2={power_of_2}")
+    return got
+
+
+@pytest.mark.usefixtures("gc")
+class TestInterpreter:
+    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+    @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(map(str, l)))
+    def test_bit_exact(self, gc, shape, layout):
+        x = make_input(shape)
+        for dtype, margin, p2 in SCALINGS:
+            got = _check(gc, x, dtype, layout, margin, p2, what=str(shape))
+        # The NaN poisons its own row / tile / block, and nothing else.
+        r, c = shape
+        recipe, weight = layout[:2]
+        rows_q, cols_q = got
+        if rows_q is not None:
+            nan = rows_q.data.float().isnan()
+            if recipe == "rowwise":
+                assert nan[r // 2].all() and nan.sum() == c
+            elif not weight:
+                assert nan[r // 2, :128].all() and nan.sum() == min(c, 128)
+            else:
+                assert nan[:min(r, 128), :128].all() and nan.sum() == min(r, 128) * min(c, 128)
+        if cols_q is not None and recipe != "blockwise":
+            nan = cols_q.data.float().isnan()
+            assert nan[3].all() and nan.sum() == r
+
+    def test_one_sided_and_input_dtypes(self, gc):
+        for xdtype in (torch.float32, torch.float16):
+            x = make_input((200, 300), xdtype, seed=1)
+            for weight in (False, True):
+                for rows, cols in ((True, False), (False, True)):
+                    _check(gc, x, E4M3, ("blockwise", weight, rows, cols), what=str(xdtype))
+            _check(gc, x, E5M2, ("rowwise", False, True, True), what=str(xdtype))
+
+    def test_strided_input_and_block_size(self, gc):
+        x = make_input((130, 200), seed=2).t()  # a transposed view: strides (1, 200)
+        for layout in LAYOUTS:
+            _check(gc, x, E4M3, layout, what="strided")
+        x = make_input((70, 90), seed=3, nan=False)
+        for weight in (False, True):
+            recipe_kw = dict(weight=weight, rows=True, cols=True, block=32)
+            got = gc.quantize_operands(x, E4M3, "blockwise", **recipe_kw)
+            ref = Q.quantize_operands(x, E4M3, "blockwise", **recipe_kw)
+            for g, r in zip(got, ref):
+                assert_same(g, r, f"block 32 weight={weight}")
+
+    def test_inf_and_extremes(self, gc):
+        # float32: the interpreter flushes bfloat16 subnormals to zero when widening them (the
+        # GPU does not; test_cuda_path_matches_reference covers bfloat16 extremes).
+        x = extremes_input(torch.float32)
+        for layout in LAYOUTS:
+            for dtype, margin, p2 in SCALINGS:
+                _check(gc, x, dtype, layout, margin, p2, what="extremes")
+
+
+def extremes_input(xdtype) -> torch.Tensor:
+    """Inf, -Inf, an amax whose reciprocal is subnormal, a subnormal-only column and tile."""
+    x = make_input((64, 160), torch.float32, nan=False, seed=4)
+    x[5, 7] = float("inf")
+    x[9, 140] = -float("inf")
+    x[20, 20] = 3e38  # reciprocal of this amax is subnormal
+    x[:, 150] = 0
+    x[30, 150] = 1e-40  # the only nonzero of its column and tile: scale clamps at FP32 max
+    return x.to(xdtype)
+
+
+def test_supports_and_dispatch_on_cpu():
+    """Without CUDA, and for inputs the kernels refuse, the torch reference answers."""
+    x = torch.randn(8, 16)
+    assert Q.fused_kernels(x, "triton") is None  # CPU tensor
+    assert Q.fused_kernels(x, "emulated") is None
+    assert Q.fused_kernels(x, None) is None
+    got = Q.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True, backend="triton")
+    ref = Q.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
+    for g, r in zip(got, ref):
+        assert_same(g, r, "cpu dispatch")
+    if _CHILD:
+        return
+    pytest.importorskip("triton")
+    from fp8boost.fp8.kernels import granular_cast as gc
+
+    assert not gc.supports(torch.randn(0, 8), E4M3, "rowwise")
+    assert not gc.supports(torch.randn(2, 3, 4), E4M3, "rowwise")
+    assert not gc.supports(torch.ones(4, 4, dtype=torch.int32), E4M3, "rowwise")
+    assert not gc.supports(x, E4M3, "rowwise")  # CPU without the interpreter
+    with pytest.raises(ValueError, match="torch reference"):
+        gc.quantize_operands(x, E4M3, "blockwise", weight=False)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+def _median_ms(fn, n=50):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[n // 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_path_matches_reference():
+    assert Q.fused_kernels(torch.ones(1, device="cuda"), "triton") is not None
+    inputs = [make_input(shape, seed=5) for shape in ((4096, 4096), (1000, 3000), (7, 130))]
+    inputs += [extremes_input(torch.bfloat16), extremes_input(torch.float32),
+               make_input((300, 200), torch.float16).t()]
+    for x in inputs:
+        x, shape = x.cuda(), tuple(x.shape)
+        for layout in LAYOUTS:
+            recipe, weight, rows, cols = layout
+            for dtype, margin, p2 in SCALINGS:
+                kw = dict(weight=weight, rows=rows, cols=cols, margin=margin, power_of_2=p2)
+                got = Q.quantize_operands(x, dtype, recipe, backend="triton", **kw)
+                ref = Q.quantize_operands(x, dtype, recipe, **kw)
+                for g, r, side in zip(got, ref, ("rows", "cols")):
+                    assert_same(g, r, f"cuda {shape} {layout} {side} {dtype} {margin} {p2}")
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    for layout in LAYOUTS:
+        recipe, weight, rows, cols = layout
+        kw = dict(weight=weight, rows=rows, cols=cols)
+        t_ref = _median_ms(lambda: Q.quantize_operands(x, E4M3, recipe, **kw))
+        t_tri = _median_ms(lambda: Q.quantize_operands(x, E4M3, recipe, backend="triton", **kw))
+        print(f"8192x4096 bf16 {layout}: torch eager {t_ref:.3f} ms, triton {t_tri:.3f} ms "
+              f"({t_ref / t_tri:.1f}x)")
