@@ -1,0 +1,195 @@
+"""MoeHybridParallelPlugin: expert parallelism (ep) x data parallelism for transformers MoE models.
+
+First version: ``world = dp x ep`` ranks, ``tp_size = pp_size = 1``, ``zero_stage=0``. Every
+rank holds the non-expert parameters whole (replicated; gradients averaged over all ranks) and
+``E/ep`` experts of every fused-expert MoE layer (:mod:`~fp8boost.plugins.moe_dispatch`); the
+ranks holding the same experts (the "moe dp" group, size ``world/ep``) average their expert
+gradients. Rank layout as Colossal-AI's ``moe_dp_outside=True``: the ep groups are runs of
+``ep`` consecutive ranks, the moe-dp groups take one rank of each run.
+
+Gradient scaling: each rank's loss is the mean over its own batch, the reference is the mean
+over the global batch (``world`` equal batches). A non-expert gradient is averaged over the
+world. An expert's gradient on a rank already sums the contributions of every rank of its ep
+group (they reach it through the combine all-to-all's backward), so it is summed over the moe
+dp group and divided by the world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed import broadcast_module
+from .moe_dispatch import EpExperts, expert_params, expert_spec_of, find_experts, shard_experts
+from .options import takes_plugin_options
+from .plugin_base import Plugin
+
+_UNSUPPORTED = "supported: tp_size=1, pp_size=1, sp_size 1/None, zero_stage=0, moe_dp_outside=True"
+
+
+def _world_hint() -> int:
+    """The world size before the process group exists (``WORLD_SIZE``, else 1)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside) -> None:
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if tp_size != 1 or pp_size != 1 or sp_size not in (None, 1):
+        raise ValueError(f"MoeHybridParallelPlugin: tp_size={tp_size}, pp_size={pp_size}, "
+                         f"sp_size={sp_size} with expert parallelism is not implemented yet "
+                         f"({_UNSUPPORTED}); use HybridParallelPlugin for tp/pp on dense models")
+    if zero_stage != 0:
+        raise ValueError(f"MoeHybridParallelPlugin: zero_stage={zero_stage!r} is not implemented "
+                         f"yet ({_UNSUPPORTED}); pass zero_stage=0")
+    if moe_dp_outside is not True:
+        raise ValueError(f"MoeHybridParallelPlugin: moe_dp_outside={moe_dp_outside!r} is not "
+                         f"implemented ({_UNSUPPORTED})")
+
+
+@takes_plugin_options(positional=("tp_size", "pp_size", "ep_size", "sp_size", "precision",
+                                  "zero_stage"))
+class MoeHybridParallelPlugin(Plugin):
+    """Expert parallelism over ``ep_size`` ranks x data parallelism over the rest.
+
+    Args:
+        tp_size, pp_size: must be 1 in this version (ValueError otherwise).
+        ep_size: ranks an MoE layer's experts are split over; divides the world size and
+            every MoE layer's expert count.
+        sp_size: None or 1.
+        zero_stage: 0 (replicated optimizer state; gradients all-reduced). 1/2: ValueError.
+        precision: ``"bf16"`` (default), ``"fp16"`` or ``"fp32"`` (shared option).
+        use_fp8: FP8 GEMMs for linear layers and FP8 grouped-GEMM experts (``convert_to_fp8``).
+        fp8_communication: the dispatch all-to-all carries e4m3 rows with one FP32 scale per
+            row (per token choice); the combine and every gradient all-to-all stay in their
+            dtype; gradients are all-reduced in their dtype.
+        moe_dp_outside: only True (Colossal-AI's default layout).
+        **options: the shared plugin options (``max_norm`` must be 0 here).
+
+    Checkpoints: ``save_model`` writes the HF layout with every expert (all-gathered over the
+    ep group per parameter). ``load_model`` and optimizer checkpoints raise ValueError: load
+    weights with ``from_pretrained`` before ``boost``.
+
+    Example:
+        >>> from fp8boost.plugins import MoeHybridParallelPlugin
+        >>> plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2)  # doctest: +SKIP
+    """
+
+    def __init__(self, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
+                 sp_size: Optional[int] = None, zero_stage: int = 0, *,
+                 moe_dp_outside: bool = True, **options) -> None:
+        super().__init__(**options)
+        _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside)
+        if self.max_norm:
+            raise ValueError("MoeHybridParallelPlugin: max_norm > 0 (a global norm over sharded "
+                             "experts) is not implemented yet; pass max_norm=0")
+        self.ep_size, self.zero_stage = ep_size, zero_stage
+        self.moe_dp_outside = moe_dp_outside
+        self.ep_group = self.moe_dp_group = None
+        self._expert_ids: set[int] = set()
+        self._sync = True
+
+    def __repr__(self) -> str:
+        return (f"MoeHybridParallelPlugin(ep_size={self.ep_size}, zero_stage={self.zero_stage}, "
+                f"precision={self.precision!r}, use_fp8={self.use_fp8}, "
+                f"fp8_communication={self.fp8_communication})")
+
+    def validate(self, model: nn.Module, optimizer) -> None:
+        super().validate(model, optimizer)
+        world, ep = _world_hint(), self.ep_size
+        if world % ep:
+            raise ValueError(f"ep_size={ep} does not divide the world size {world}: use an "
+                             "ep_size that divides the number of ranks")
+        experts = find_experts(model)
+        if ep > 1 and not experts:
+            raise ValueError("ep_size > 1 but the model has no fused-expert MoE module "
+                             "(3-D gate_up_proj/down_proj Parameters): use ep_size=1")
+        for name, module in experts:
+            n = expert_spec_of(module).num_experts
+            if n % ep:
+                raise ValueError(f"ep_size={ep} does not divide the {n} experts of {name}: "
+                                 "use an ep_size that divides the expert count")
+
+    def _build_groups(self) -> None:
+        world, rank, ep = dist.get_world_size(), dist.get_rank(), self.ep_size
+        for start in range(0, world, ep):  # every rank creates every group, in one order
+            group = dist.new_group(list(range(start, start + ep)))
+            if start <= rank < start + ep:
+                self.ep_group = group
+        for first in range(ep):
+            group = dist.new_group(list(range(first, world, ep)))
+            if rank % ep == first:
+                self.moe_dp_group = group
+
+    def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        broadcast_module(model, None)  # every rank starts from rank 0's full model
+        self._build_groups()
+        shard_experts(model, self.ep_group, fp8=self.fp8_communication)
+        self._expert_ids = expert_params(model)
+        self._model = model
+        return model
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_gradients(self) -> None:
+        """Average gradients as the module docstring says (collective over every rank)."""
+        world = dist.get_world_size()
+        for p in self._model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            expert = id(p) in self._expert_ids
+            dist.all_reduce(p.grad, group=self.moe_dp_group if expert else None)
+            p.grad.div_(world)
+
+    def backward(self, loss: torch.Tensor, optimizer) -> None:
+        optimizer.backward(loss)
+        if self._sync:
+            self.reduce_gradients()
+
+    def no_sync(self, model=None, optimizer=None) -> ContextManager:
+        @contextlib.contextmanager
+        def block():
+            old, self._sync = self._sync, False
+            try:
+                yield
+            finally:
+                self._sync = old
+        return block()
+
+    def clip_grad_norm_(self, model, optimizer, max_norm: float, norm_type: float = 2.0):
+        raise ValueError("MoeHybridParallelPlugin: clip_grad_norm_ over sharded experts is not "
+                         "implemented yet")
+
+    # ------------------------------------------------------------------ checkpoints
+    def exact_weights(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """Every expert Parameter whole (all-gathered over the ep group): collective."""
+        out = super().exact_weights(model)
+        for module in self.unwrap_model(model).modules():
+            if isinstance(module, EpExperts):
+                for name in module.names:
+                    out[id(getattr(module, name))] = module.full_param(name)
+        return out
+
+    def get_checkpoint_io(self):
+        """Checkpoint IO: HF-layout model saves with all experts; loads refused (see class)."""
+        from .checkpoint_io import GeneralCheckpointIO
+
+        class MoeCheckpointIO(GeneralCheckpointIO):
+            def load_model(self, model, path, strict=True):
+                raise ValueError("MoeHybridParallelPlugin cannot load into a boosted model yet: "
+                                 "load the checkpoint with from_pretrained before boost()")
+
+            def save_optimizer(self, optimizer, path):
+                raise ValueError("MoeHybridParallelPlugin: optimizer checkpoints are not "
+                                 "implemented yet (expert states are sharded over ep)")
+
+            load_optimizer = save_optimizer
+        return MoeCheckpointIO(self)
