@@ -70,6 +70,10 @@ HybridParallelPlugin = with_colossal_order(_plugins.HybridParallelPlugin,
                                            ORDERS["HybridParallelPlugin"])
 TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
 TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"])
+# Exported plainly (no Colossal-AI positional order, no ORDERS entry): its signature holds
+# Colossal-AI's leading names (tp_size, pp_size, ep_size, sp_size, precision, zero_stage) in
+# their order, keyword-only the rest, but not yet all of Colossal-AI's arguments.
+MoeHybridParallelPlugin = _plugins.MoeHybridParallelPlugin
 
 __all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
-           "HybridParallelPlugin", "ORDERS", "DEFAULTS"]
+           "HybridParallelPlugin", "MoeHybridParallelPlugin", "ORDERS", "DEFAULTS"]
