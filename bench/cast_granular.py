@@ -1,0 +1,152 @@
+"""Rowwise/blockwise FP8 casts: the Triton kernels (``fp8boost.fp8.kernels.granular_cast``)
+vs the torch reference in eager mode (``fp8boost.fp8.granular.quantize``), vs the memory floor.
+
+Layouts (``quantize_operands`` arguments): blockwise activation tiles + transposed tiles
+(``weight=False, rows, cols``), blockwise weight blocks + transpose, rowwise rows only, rowwise
+rows + transposed cols. Bytes counted = the fewest the operation must move:
+
+    R*C*in_bytes (read x once) + R*C per FP8 operand written + 4 bytes per scale written
+
+GB/s = those bytes / median time; ``pct_hbm`` compares with the H100's ~3.35 TB/s HBM peak
+(``--peak-gbps`` for another device) and ``x_floor`` with the copy bandwidth measured here
+(``dst.copy_(src)`` on 1 GiB, read + write). The blockwise kernels read x once, so they can
+approach the floor; the rowwise ones read it twice (amax pass, cast pass), by design.
+
+Timings: median of many runs (``triton.testing.do_bench``, L2 flushed before each run; inputs
+rotate over copies exceeding 2x L2), after a warm-up call; eager launches, as a training step
+without torch.compile makes them. Each Triton result is checked bit-exact against the
+reference on this device first (NaN bytes compared as NaN).
+
+    python bench/cast_granular.py [--quick] [--peak-gbps 3350]
+
+Writes JSON to $OUT if set, else bench/results/cast_granular_<date>.json; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import env_info, write_json  # noqa: E402 (bench/ is on sys.path)
+
+E4M3 = torch.float8_e4m3fn
+# (name, recipe, weight, rows, cols)
+LAYOUTS = [("block_tiles+T", "blockwise", False, True, True),
+           ("block_weight+T", "blockwise", True, True, True),
+           ("block_tiles", "blockwise", False, True, False),
+           ("row_rows", "rowwise", False, True, False),
+           ("row_rows+T", "rowwise", False, True, True)]
+# 125M Llama (d 768, MLP 2048; 8 x 1024 tokens) activations and weights, and a larger shape.
+SHAPES = [(8192, 768), (8192, 2048), (2048, 768), (768, 768), (8192, 4096)]
+QUICK_SHAPES = [(8192, 768), (8192, 4096)]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    import triton.testing
+
+    src = torch.randn(256 * 1024 * 1024, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def timed(fns) -> float:
+    """Median ms per call over rotating inputs (do_bench: warm-up, then many timed runs)."""
+    import triton.testing
+
+    state = [0]
+
+    def run():
+        fns[state[0] % len(fns)]()
+        state[0] += 1
+
+    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+
+
+def min_bytes(R, C, in_bytes, recipe, weight, rows, cols, block=128) -> int:
+    """Read x once, write each FP8 operand once, write its scales."""
+    nbytes = R * C * in_bytes + R * C * (int(rows) + int(cols))
+    tr, tc = -(-R // block), -(-C // block)
+    if recipe == "rowwise":
+        scales = R * rows + C * cols
+    elif weight:
+        scales = tr * tc * (int(rows) + int(cols))
+    else:
+        scales = R * tc * rows + C * tr * cols
+    return nbytes + 4 * scales
+
+
+def same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    ua, ub = a.data.view(torch.uint8).clone(), b.data.view(torch.uint8).clone()
+    ua[a.data.float().isnan()] = 0x7F
+    ub[b.data.float().isnan()] = 0x7F
+    return bool(torch.equal(ua, ub) and torch.equal(a.inv_scale.nan_to_num(7.0),
+                                                    b.inv_scale.nan_to_num(7.0)))
+
+
+def bench_case(R, C, layout, bw, peak, l2) -> dict:
+    from fp8boost.fp8.granular.quantize import quantize_operands
+
+    name, recipe, weight, rows, cols = layout
+    n = max(1, min(8, -(-2 * l2 // (R * C * 2))))
+    xs = [torch.randn(R, C, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(n)]
+    kw = dict(weight=weight, rows=rows, cols=cols)
+    variants = {
+        "triton": [lambda x=x: quantize_operands(x, E4M3, recipe, backend="triton", **kw)
+                   for x in xs],
+        "torch_eager": [lambda x=x: quantize_operands(x, E4M3, recipe, **kw) for x in xs],
+    }
+    got, ref = variants["triton"][0](), variants["torch_eager"][0]()
+    exact = all(same(g, r) for g, r in zip(got, ref))
+    torch.cuda.synchronize()
+    nbytes = min_bytes(R, C, 2, recipe, weight, rows, cols)
+    floor_ms = nbytes / bw * 1e3
+    res = {"layout": name, "R": R, "C": C, "bytes": nbytes, "floor_ms": floor_ms,
+           "bit_exact": exact}
+    for tag, fns in variants.items():
+        ms = timed(fns)
+        res[f"{tag}_ms"] = ms
+        res[f"{tag}_GBps"] = nbytes / (ms * 1e-3) / 1e9
+        res[f"{tag}_pct_hbm"] = 100 * nbytes / (ms * 1e-3) / 1e9 / peak
+        res[f"{tag}_x_floor"] = ms / floor_ms
+    res["speedup"] = res["torch_eager_ms"] / res["triton_ms"]
+    return res
+
+
+def main(argv=None) -> None:
+    argv = sys.argv if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="two shapes only")
+    p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak (H100 SXM: 3350)")
+    args = p.parse_args(argv[1:])
+    bw = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    out = []
+    for (R, C) in (QUICK_SHAPES if args.quick else SHAPES):
+        for layout in LAYOUTS:
+            r = bench_case(R, C, layout, bw, args.peak_gbps, l2)
+            out.append(r)
+            print(json.dumps(r), flush=True)
+    payload = {**env_info(argv), "copy_bandwidth_GBps": bw / 1e9, "peak_GBps": args.peak_gbps,
+               "l2_bytes": l2, "rows": out}
+    path = write_json("cast_granular", payload)
+    print(f"\nwrote {path}\ncopy bandwidth {bw / 1e9:.0f} GB/s (read+write), "
+          f"peak {args.peak_gbps:.0f} GB/s")
+    print(f"{'layout':>15} {'R':>6} {'C':>6} {'floor_us':>8} {'tri_us':>7} {'GB/s':>6} "
+          f"{'%hbm':>5} {'torch_us':>8} {'GB/s':>6} {'speedup':>7} {'exact':>5}")
+    for r in out:
+        print(f"{r['layout']:>15} {r['R']:>6} {r['C']:>6} {r['floor_ms'] * 1e3:8.1f} "
+              f"{r['triton_ms'] * 1e3:7.1f} {r['triton_GBps']:6.0f} {r['triton_pct_hbm']:5.1f} "
+              f"{r['torch_eager_ms'] * 1e3:8.1f} {r['torch_eager_GBps']:6.0f} "
+              f"{r['speedup']:7.2f} {str(r['bit_exact']):>5}")
+
+
+if __name__ == "__main__":
+    main()
