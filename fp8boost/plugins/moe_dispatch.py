@@ -19,7 +19,9 @@ gradient's dtype. With ``fp8`` the dispatched rows travel as e4m3 with one scale
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
+from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -175,3 +177,27 @@ def expert_params(model: nn.Module) -> set[int]:
     return {id(p) for m in model.modules() if isinstance(m, EpExperts)
             for p in m.parameters(recurse=False)}
 
+
+
+@contextlib.contextmanager
+def whole_experts(modules: list[EpExperts]) -> Iterator[None]:
+    """Inside the block each :class:`EpExperts`' Parameters hold all E experts (zeros but for
+    this rank's); on exit each keeps its own experts' rows again (e.g. after a load)."""
+    kept = []
+    with torch.no_grad():
+        for m in modules:
+            for name in m.names:
+                p = getattr(m, name)
+                local = p.data
+                full = local.new_zeros((m.num_experts,) + tuple(local.shape[1:]))
+                full[m.ep_rank * m.local:(m.ep_rank + 1) * m.local] = local
+                p.data = full
+                kept.append((m, p, local))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, p, local in kept:
+                lo = m.ep_rank * m.local
+                local.copy_(p.data[lo:lo + m.local])
+                p.data = local

@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint_io import GeneralCheckpointIO, verify_checksums
+from .checkpoint_io.model_io import read_model
 from .distributed import broadcast_module
-from .moe_dispatch import EpExperts, expert_params, expert_spec_of, find_experts, shard_experts
+from .moe_dispatch import (EpExperts, expert_params, expert_spec_of, find_experts,
+                           shard_experts, whole_experts)
 from .options import takes_plugin_options
 from .plugin_base import Plugin
 
@@ -74,8 +77,8 @@ class MoeHybridParallelPlugin(Plugin):
         **options: the shared plugin options (``max_norm`` must be 0 here).
 
     Checkpoints: ``save_model`` writes the HF layout with every expert (all-gathered over the
-    ep group per parameter). ``load_model`` and optimizer checkpoints raise ValueError: load
-    weights with ``from_pretrained`` before ``boost``.
+    ep group per parameter); ``load_model`` reads such a file (or ``save_pretrained``'s) at
+    any ep size. Optimizer checkpoints raise ValueError (not implemented yet).
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
@@ -179,17 +182,33 @@ class MoeHybridParallelPlugin(Plugin):
         return out
 
     def get_checkpoint_io(self):
-        """Checkpoint IO: HF-layout model saves with all experts; loads refused (see class)."""
-        from .checkpoint_io import GeneralCheckpointIO
-
-        class MoeCheckpointIO(GeneralCheckpointIO):
-            def load_model(self, model, path, strict=True):
-                raise ValueError("MoeHybridParallelPlugin cannot load into a boosted model yet: "
-                                 "load the checkpoint with from_pretrained before boost()")
-
-            def save_optimizer(self, optimizer, path):
-                raise ValueError("MoeHybridParallelPlugin: optimizer checkpoints are not "
-                                 "implemented yet (expert states are sharded over ep)")
-
-            load_optimizer = save_optimizer
+        """Checkpoint IO: HF-layout model files with every expert (save and load, at any
+        ep size); optimizer checkpoints refused (see the class docstring)."""
         return MoeCheckpointIO(self)
+
+
+class MoeCheckpointIO(GeneralCheckpointIO):
+    """``GeneralCheckpointIO`` whose model files hold every expert.
+
+    ``save_model``: rank 0 writes, the expert Parameters replaced by their all-gathered whole
+    (``MoeHybridParallelPlugin.exact_weights``). ``load_model``: each rank's expert
+    Parameters are grown to all E experts, the whole file is read with the usual key and
+    shape checks, then each rank keeps its own experts again: a checkpoint saved at one ep
+    size (or by ``save_pretrained``) loads at any other.
+    """
+
+    def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
+        verify_checksums(os.fspath(path), self.group)
+        experts = [m for m in self.plugin.unwrap_model(model).modules()
+                   if isinstance(m, EpExperts)]
+        with whole_experts(experts):
+            read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
+        self.plugin.after_load_model(model)
+
+    def save_optimizer(self, optimizer, path: str) -> None:
+        raise ValueError("MoeHybridParallelPlugin: optimizer checkpoints are not implemented "
+                         "yet (expert states are sharded over ep); save the model only")
+
+    def load_optimizer(self, optimizer, path: str) -> None:
+        raise ValueError("MoeHybridParallelPlugin: optimizer checkpoints are not implemented "
+                         "yet (expert states are sharded over ep)")

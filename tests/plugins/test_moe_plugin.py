@@ -142,6 +142,23 @@ def compare(got, ref, mode: str, what: str, w0: dict) -> None:
         assert err < wtol, f"{what} {n}: relative error {err:.3g}"
 
 
+def _load_at(ep: int, save_dir: str, trained: dict) -> None:
+    """A fresh model boosted at ``ep`` loads the checkpoint: every weight as trained."""
+    from fp8boost.booster import Booster
+    from fp8boost.plugins import MoeHybridParallelPlugin
+    from fp8boost.plugins.moe_dispatch import EpExperts
+    booster = Booster(plugin=MoeHybridParallelPlugin(ep_size=ep, precision="fp32"))
+    model, *_ = booster.boost(tiny("mixtral"))
+    booster.load_model(model, save_dir)
+    got = {n: p.detach() for n, p in model.unwrap().named_parameters()}
+    for name, m in model.unwrap().named_modules():
+        if isinstance(m, EpExperts):
+            assert getattr(m, m.names[0]).shape[0] == 4 // ep
+            got.update({f"{name}.{p}": m.full_param(p) for p in m.names})
+    for name, tensor in trained.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=f"ep={ep} {name}")
+
+
 def _ranks(rank: int, world: int, save_dir: str) -> dict:
     cases = [("mixtral", "fp32", False, False), ("mixtral", "fp32", True, False)]
     if world == 2:
@@ -163,6 +180,8 @@ def _ranks(rank: int, world: int, save_dir: str) -> dict:
         out[what] = losses
         if first:
             out["saved"] = weights
+    for ep in (2, 1) if world == 2 else (4,):  # reload at the saving ep size and another
+        _load_at(ep, save_dir, out["saved"])
     return out
 
 
