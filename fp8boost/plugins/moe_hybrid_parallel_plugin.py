@@ -28,7 +28,10 @@ from .checkpoint_io.model_io import read_model
 from .distributed import broadcast_module
 from .moe_dispatch import (EpExperts, expert_params, expert_spec_of, find_experts,
                            shard_experts, whole_experts)
+from fp8boost.parallel.zero import ZeroOptimizer
+
 from .options import takes_plugin_options
+from .precision import make_loss_scaler
 from .plugin_base import Plugin
 
 _UNSUPPORTED = "supported: tp_size=1, pp_size=1, sp_size 1/None, zero_stage=0, moe_dp_outside=True"
@@ -74,7 +77,8 @@ class MoeHybridParallelPlugin(Plugin):
             row (per token choice); the combine and every gradient all-to-all stay in their
             dtype; gradients are all-reduced in their dtype.
         moe_dp_outside: only True (Colossal-AI's default layout).
-        **options: the shared plugin options (``max_norm`` must be 0 here).
+        **options: the shared plugin options (``max_norm``: the global norm over every
+            expert of every rank and the replicated parameters once).
 
     Checkpoints: ``save_model`` writes the HF layout with every expert (all-gathered over the
     ep group per parameter); ``load_model`` reads such a file (or ``save_pretrained``'s) at
@@ -90,9 +94,6 @@ class MoeHybridParallelPlugin(Plugin):
                  moe_dp_outside: bool = True, **options) -> None:
         super().__init__(**options)
         _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside)
-        if self.max_norm:
-            raise ValueError("MoeHybridParallelPlugin: max_norm > 0 (a global norm over sharded "
-                             "experts) is not implemented yet; pass max_norm=0")
         self.ep_size, self.zero_stage = ep_size, zero_stage
         self.moe_dp_outside = moe_dp_outside
         self.ep_group = self.moe_dp_group = None
@@ -139,6 +140,21 @@ class MoeHybridParallelPlugin(Plugin):
         self._model = model
         return model
 
+    def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
+        """Whole (unsharded) optimizer state on every rank; FP32 masters unless ``fp32``.
+
+        The global gradient norm (``max_norm``, ``clip_grad_norm_``) and the FP16 overflow
+        flag span the ep group (its ranks hold different experts); the replicated non-expert
+        gradients count once (on ep rank 0)."""
+        shared = [] if dist.get_rank(self.ep_group) == 0 else \
+            [p for p in model.parameters() if id(p) not in self._expert_ids]
+        return ZeroOptimizer(
+            optimizer, dp_group=None, master_weights=self.precision != "fp32",
+            max_norm=self.max_norm, pp_group=self.ep_group, pp_counted_elsewhere=shared,
+            loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
+                                         self.growth_interval),
+            fused_master_step=self.fused_master_step)
+
     # ------------------------------------------------------------------ gradients
     def reduce_gradients(self) -> None:
         """Average gradients as the module docstring says (collective over every rank)."""
@@ -166,10 +182,6 @@ class MoeHybridParallelPlugin(Plugin):
             finally:
                 self._sync = old
         return block()
-
-    def clip_grad_norm_(self, model, optimizer, max_norm: float, norm_type: float = 2.0):
-        raise ValueError("MoeHybridParallelPlugin: clip_grad_norm_ over sharded experts is not "
-                         "implemented yet")
 
     # ------------------------------------------------------------------ checkpoints
     def exact_weights(self, model: nn.Module) -> dict[int, torch.Tensor]:

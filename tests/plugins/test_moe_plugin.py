@@ -71,7 +71,7 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, COMMON["vocab_size"], (GLOBAL, SEQ), generator=g)
 
 
-def reference(family: str, fp8: bool, no_high: bool):
+def reference(family: str, fp8: bool, no_high: bool, max_norm: float = 0.0):
     from fp8boost.fp8 import Fp8Config, convert_to_fp8
     model = tiny(family, no_high)
     if fp8:
@@ -82,20 +82,22 @@ def reference(family: str, fp8: bool, no_high: bool):
         ids = batch(s)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if max_norm:  # the norm before clipping is recorded as a loss: compared alike
+            losses.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().float() for n, p in model.named_parameters()}
 
 
-def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None):
+def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max_norm=0.0):
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
     from fp8boost.plugins import MoeHybridParallelPlugin
     from fp8boost.fp8.moe import is_fp8_experts
     from fp8boost.plugins.moe_dispatch import EpExperts
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision=precision,
-                                     use_fp8=fp8, fp8_communication=fp8,
+                                     use_fp8=fp8, fp8_communication=fp8, max_norm=max_norm,
                                      fp8_config=Fp8Config(recipe="rowwise", backend="emulated", min_numel=0))
     model = tiny(family, no_high)
     booster = Booster(plugin=plugin)
@@ -110,6 +112,8 @@ def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None):
         ids = batch(s)[rank * b:(rank + 1) * b]
         loss = model(input_ids=ids, labels=ids).loss
         booster.backward(loss, opt)
+        if max_norm:  # the global norm over every expert and the shared weights once
+            losses.append(float(booster.clip_grad_norm_(model, opt, 1e9)))
         opt.step()
         opt.zero_grad()
         total = loss.detach().float()
@@ -160,19 +164,21 @@ def _load_at(ep: int, save_dir: str, trained: dict) -> None:
 
 
 def _ranks(rank: int, world: int, save_dir: str) -> dict:
-    cases = [("mixtral", "fp32", False, False), ("mixtral", "fp32", True, False)]
+    cases = [("mixtral", "fp32", False, False, 0.0), ("mixtral", "fp32", True, False, 0.0)]
     if world == 2:
-        cases += [("qwen3_moe", "fp32", False, False), ("mixtral", "fp32", False, True),
-                  ("mixtral", "bf16", False, False)]
+        cases += [("qwen3_moe", "fp32", False, False, 0.0), ("mixtral", "fp32", False, True, 0.0),
+                  ("mixtral", "bf16", False, False, 0.0)]
+    else:
+        cases += [("mixtral", "fp32", False, False, 0.5)]  # clipped: global norm over ep x dp
     out = {}
-    for family, precision, fp8, no_high in cases:
+    for family, precision, fp8, no_high, max_norm in cases:
         w0 = {n: p.detach().float() for n, p in tiny(family, no_high).named_parameters()}
-        what = f"world {world} {family} {precision} fp8={fp8} no_high={no_high}"
-        ref = reference(family, fp8, no_high)
-        first = (family, precision, fp8, no_high) == ("mixtral", "fp32", False, False)
+        what = f"world {world} {family} {precision} fp8={fp8} no_high={no_high} clip={max_norm}"
+        ref = reference(family, fp8, no_high, max_norm)
+        first = (family, precision, fp8, no_high, max_norm) == ("mixtral", "fp32", False, False, 0)
         save = save_dir if first else None
         losses, weights, min_rows = boosted(rank, world, 2, family, precision, fp8, no_high,
-                                            save)
+                                            save, max_norm)
         mode = "fp8" if fp8 else precision
         compare((losses, weights), ref, mode, what, w0)
         if no_high and rank == 1:
