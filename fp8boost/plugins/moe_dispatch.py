@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn

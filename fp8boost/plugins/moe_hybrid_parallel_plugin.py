@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8boost.parallel.zero import ZeroOptimizer
+
 from .checkpoint_io import GeneralCheckpointIO, verify_checksums
 from .checkpoint_io.model_io import read_model
 from .distributed import broadcast_module
 from .moe_dispatch import (EpExperts, expert_params, expert_spec_of, find_experts,
                            shard_experts, whole_experts)
-from fp8boost.parallel.zero import ZeroOptimizer
-
 from .options import takes_plugin_options
-from .precision import make_loss_scaler
 from .plugin_base import Plugin
+from .precision import make_loss_scaler
 
 _UNSUPPORTED = "supported: tp_size=1, pp_size=1, sp_size 1/None, zero_stage=0, moe_dp_outside=True"
 
@@ -157,16 +157,24 @@ class MoeHybridParallelPlugin(Plugin):
 
     # ------------------------------------------------------------------ gradients
     def reduce_gradients(self) -> None:
-        """Average gradients as the module docstring says (collective over every rank)."""
+        """Average gradients as the module docstring says (collective over every rank): one
+        flat all-reduce per (group, dtype), the expert gradients over the moe-dp group."""
         world = dist.get_world_size()
+        buckets: dict[tuple, list[torch.Tensor]] = {}
         for p in self._model.parameters():
             if not p.requires_grad:
                 continue
-            if p.grad is None:
+            if p.grad is None:  # an expert that got no token here: its peers still reduce
                 p.grad = torch.zeros_like(p)
-            expert = id(p) in self._expert_ids
-            dist.all_reduce(p.grad, group=self.moe_dp_group if expert else None)
-            p.grad.div_(world)
+            buckets.setdefault((id(p) in self._expert_ids, p.grad.dtype), []).append(p.grad)
+        for (expert, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.moe_dp_group if expert else None)
+            flat.div_(world)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         optimizer.backward(loss)

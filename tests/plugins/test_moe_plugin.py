@@ -18,7 +18,7 @@ whole batch in one process (computed on every rank, no communication). Tolerance
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 import os
 import warnings
 
@@ -90,15 +90,17 @@ def reference(family: str, fp8: bool, no_high: bool, max_norm: float = 0.0):
     return losses, {n: p.detach().float() for n, p in model.named_parameters()}
 
 
-def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max_norm=0.0):
+def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max_norm=0.0,
+            micro=1):
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
     from fp8boost.plugins import MoeHybridParallelPlugin
     from fp8boost.fp8.moe import is_fp8_experts
     from fp8boost.plugins.moe_dispatch import EpExperts
+    cfg = Fp8Config(recipe="rowwise", backend="emulated", min_numel=0)
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision=precision,
                                      use_fp8=fp8, fp8_communication=fp8, max_norm=max_norm,
-                                     fp8_config=Fp8Config(recipe="rowwise", backend="emulated", min_numel=0))
+                                     fp8_config=cfg)
     model = tiny(family, no_high)
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -109,9 +111,12 @@ def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max
             m.inner.register_forward_hook(lambda mod, a, out: rows.append(a[0].shape[0]))
     losses, b = [], GLOBAL // world
     for s in range(STEPS):
-        ids = batch(s)[rank * b:(rank + 1) * b]
-        loss = model(input_ids=ids, labels=ids).loss
-        booster.backward(loss, opt)
+        loss = 0.0
+        for m, ids in enumerate(batch(s)[rank * b:(rank + 1) * b].chunk(micro)):
+            part = model(input_ids=ids, labels=ids).loss / micro
+            with booster.no_sync(model, opt) if m < micro - 1 else contextlib.nullcontext():
+                booster.backward(part, opt)  # the last micro-batch reduces them all
+            loss = loss + part.detach()
         if max_norm:  # the global norm over every expert and the shared weights once
             losses.append(float(booster.clip_grad_norm_(model, opt, 1e9)))
         opt.step()
@@ -167,18 +172,22 @@ def _ranks(rank: int, world: int, save_dir: str) -> dict:
     cases = [("mixtral", "fp32", False, False, 0.0), ("mixtral", "fp32", True, False, 0.0)]
     if world == 2:
         cases += [("qwen3_moe", "fp32", False, False, 0.0), ("mixtral", "fp32", False, True, 0.0),
-                  ("mixtral", "bf16", False, False, 0.0)]
+                  ("mixtral", "bf16", False, False, 0.0),
+                  ("mixtral", "fp32", False, False, -2)]  # -2: 2 micro-batches, no_sync
     else:
         cases += [("mixtral", "fp32", False, False, 0.5)]  # clipped: global norm over ep x dp
     out = {}
     for family, precision, fp8, no_high, max_norm in cases:
+        micro, max_norm = (2, 0.0) if max_norm == -2 else (1, max_norm)
         w0 = {n: p.detach().float() for n, p in tiny(family, no_high).named_parameters()}
-        what = f"world {world} {family} {precision} fp8={fp8} no_high={no_high} clip={max_norm}"
+        what = (f"world {world} {family} {precision} fp8={fp8} no_high={no_high} "
+                f"clip={max_norm} micro={micro}")
         ref = reference(family, fp8, no_high, max_norm)
-        first = (family, precision, fp8, no_high, max_norm) == ("mixtral", "fp32", False, False, 0)
+        first = (family, precision, fp8, no_high, max_norm, micro) == \
+            ("mixtral", "fp32", False, False, 0, 1)
         save = save_dir if first else None
         losses, weights, min_rows = boosted(rank, world, 2, family, precision, fp8, no_high,
-                                            save, max_norm)
+                                            save, max_norm, micro)
         mode = "fp8" if fp8 else precision
         compare((losses, weights), ref, mode, what, w0)
         if no_high and rank == 1:
