@@ -150,8 +150,12 @@ class EpExperts(nn.Module):
         rows = AllToAll.apply(x.index_select(0, order // k), send, recv, self.ep_group, self.fp8)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         out = self.inner(rows, local_ids.unsqueeze(1), ones)
-        if rows.requires_grad and not out.requires_grad:  # no rows here: keep backward in step
-            out = out + rows * 0
+        if torch.is_grad_enabled():
+            # Every rank runs both all-to-alls' backward (no rows here: connect them anyway),
+            # and every local expert gets a gradient (zeros if it got no token: ZeRO buckets
+            # must match across ranks).
+            anchor = sum(getattr(self, n).reshape(-1)[0] for n in self.names) * 0
+            out = out + anchor.to(out.dtype) + (rows * 0 if rows.shape[0] == 0 else 0)
         back = AllToAll.apply(out, recv, send, self.ep_group, False)
         pairs = back[torch.argsort(order)]
         return (pairs * weights).to(hidden_states.dtype).view(t, k, -1).sum(1).view(shape)

@@ -1,7 +1,8 @@
 """MoeHybridParallelPlugin: expert parallelism (ep) x data parallelism for transformers MoE models.
 
-First version: ``world = dp x ep`` ranks, ``tp_size = pp_size = 1``, ``zero_stage=0``. Every
-rank holds the non-expert parameters whole (replicated; gradients averaged over all ranks) and
+First version: ``world = dp x ep`` ranks, ``tp_size = pp_size = 1``, ``zero_stage`` 0/1/2
+(ZeRO over the moe-dp group: :meth:`MoeHybridParallelPlugin.wrap_optimizer`). Every rank
+holds the non-expert parameters whole (replicated; gradients averaged over all ranks) and
 ``E/ep`` experts of every fused-expert MoE layer (:mod:`~fp8boost.plugins.moe_dispatch`); the
 ranks holding the same experts (the "moe dp" group, size ``world/ep``) average their expert
 gradients. Rank layout as Colossal-AI's ``moe_dp_outside=True``: the ep groups are runs of
@@ -34,7 +35,7 @@ from .options import takes_plugin_options
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
 
-_UNSUPPORTED = "supported: tp_size=1, pp_size=1, sp_size 1/None, zero_stage=0, moe_dp_outside=True"
+_UNSUPPORTED = "supported: tp_size=1, pp_size=1, sp_size 1/None, moe_dp_outside=True"
 
 
 def _world_hint() -> int:
@@ -52,9 +53,9 @@ def _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside)
         raise ValueError(f"MoeHybridParallelPlugin: tp_size={tp_size}, pp_size={pp_size}, "
                          f"sp_size={sp_size} with expert parallelism is not implemented yet "
                          f"({_UNSUPPORTED}); use HybridParallelPlugin for tp/pp on dense models")
-    if zero_stage != 0:
-        raise ValueError(f"MoeHybridParallelPlugin: zero_stage={zero_stage!r} is not implemented "
-                         f"yet ({_UNSUPPORTED}); pass zero_stage=0")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+        raise ValueError(f"MoeHybridParallelPlugin: zero_stage must be 0, 1 or 2, got "
+                         f"{zero_stage!r}")
     if moe_dp_outside is not True:
         raise ValueError(f"MoeHybridParallelPlugin: moe_dp_outside={moe_dp_outside!r} is not "
                          f"implemented ({_UNSUPPORTED})")
@@ -70,7 +71,8 @@ class MoeHybridParallelPlugin(Plugin):
         ep_size: ranks an MoE layer's experts are split over; divides the world size and
             every MoE layer's expert count.
         sp_size: None or 1.
-        zero_stage: 0 (replicated optimizer state; gradients all-reduced). 1/2: ValueError.
+        zero_stage: 0 (whole optimizer state on every rank; gradients all-reduced), 1 or 2
+            (ZeRO over the moe-dp group, ``world/ep`` ranks: see :meth:`wrap_optimizer`).
         precision: ``"bf16"`` (default), ``"fp16"`` or ``"fp32"`` (shared option).
         use_fp8: FP8 GEMMs for linear layers and FP8 grouped-GEMM experts (``convert_to_fp8``).
         fp8_communication: the dispatch all-to-all carries e4m3 rows with one FP32 scale per
@@ -141,19 +143,45 @@ class MoeHybridParallelPlugin(Plugin):
         return model
 
     def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
-        """Whole (unsharded) optimizer state on every rank; FP32 masters unless ``fp32``.
+        """The optimizer wrapper; FP32 master weights unless ``fp32``.
 
-        The global gradient norm (``max_norm``, ``clip_grad_norm_``) and the FP16 overflow
-        flag span the ep group (its ranks hold different experts); the replicated non-expert
-        gradients count once (on ep rank 0)."""
+        ``zero_stage=0``: whole optimizer state on every rank, gradients reduced by
+        :meth:`reduce_gradients` after each synchronised backward. ``zero_stage`` 1/2:
+        ``ZeroOptimizer`` over the moe-dp group (master weights, optimizer state and, at
+        stage 2, gradients sharded dp ways). Before its reduction, each non-expert gradient
+        is averaged over the ep group (a post-accumulate hook, registered first) and each
+        expert gradient is divided by ep (a gradient hook), so its dp average is the world's.
+        The global gradient norm (``max_norm``) and the FP16 overflow flag span the ep group
+        (its ranks hold different experts); the replicated gradients count once."""
         shared = [] if dist.get_rank(self.ep_group) == 0 else \
             [p for p in model.parameters() if id(p) not in self._expert_ids]
+        zero = self.zero_stage > 0
+        if zero and self.ep_size > 1:
+            self._register_ep_hooks(model)
         return ZeroOptimizer(
-            optimizer, dp_group=None, master_weights=self.precision != "fp32",
-            max_norm=self.max_norm, pp_group=self.ep_group, pp_counted_elsewhere=shared,
+            optimizer, dp_group=self.moe_dp_group if zero else None,
+            stage=self.zero_stage if zero else 2, master_weights=self.precision != "fp32",
+            overlap_communication=False, max_norm=self.max_norm, pp_group=self.ep_group,
+            pp_counted_elsewhere=shared,
             loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
                                          self.growth_interval),
             fused_master_step=self.fused_master_step)
+
+    def _register_ep_hooks(self, model: nn.Module) -> None:
+        ep, group = self.ep_size, self.ep_group
+
+        def average(p: torch.Tensor) -> None:
+            if self._sync and p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(ep)
+
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in self._expert_ids:
+                p.register_hook(lambda g: g / ep)
+            else:
+                p.register_post_accumulate_grad_hook(average)
 
     # ------------------------------------------------------------------ gradients
     def reduce_gradients(self) -> None:
@@ -178,7 +206,7 @@ class MoeHybridParallelPlugin(Plugin):
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         optimizer.backward(loss)
-        if self._sync:
+        if self._sync and self.zero_stage == 0:
             self.reduce_gradients()
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:
@@ -186,7 +214,8 @@ class MoeHybridParallelPlugin(Plugin):
         def block():
             old, self._sync = self._sync, False
             try:
-                yield
+                with optimizer.no_sync() if optimizer is not None else contextlib.nullcontext():
+                    yield
             finally:
                 self._sync = old
         return block()

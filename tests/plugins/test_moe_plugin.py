@@ -1,5 +1,9 @@
 """MoeHybridParallelPlugin on gloo: ep2 (2 ranks) and ep2 x dp2 (4 ranks) against one process.
 
+Cases (``CASES``): Mixtral and Qwen3-MoE, FP32 / BF16 / FP8 (emulated) with FP8 dispatch,
+ZeRO 0/1/2, gradient clipping, gradient accumulation, an ep rank whose experts get no token;
+save -> load at ep 2, 1 and 4 bit-exact.
+
 Each rank trains a tiny transformers MoE model (hidden 64, 4 experts, top-2, 2 layers) for 3
 SGD steps on its 1/world of a global batch; the reference is the same model trained on the
 whole batch in one process (computed on every rank, no communication). Tolerances:
@@ -91,7 +95,7 @@ def reference(family: str, fp8: bool, no_high: bool, max_norm: float = 0.0):
 
 
 def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max_norm=0.0,
-            micro=1):
+            micro=1, zero=0):
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
     from fp8boost.plugins import MoeHybridParallelPlugin
@@ -100,7 +104,7 @@ def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max
     cfg = Fp8Config(recipe="rowwise", backend="emulated", min_numel=0)
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision=precision,
                                      use_fp8=fp8, fp8_communication=fp8, max_norm=max_norm,
-                                     fp8_config=cfg)
+                                     fp8_config=cfg, zero_stage=zero)
     model = tiny(family, no_high)
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -168,32 +172,31 @@ def _load_at(ep: int, save_dir: str, trained: dict) -> None:
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=f"ep={ep} {name}")
 
 
+CASE = dict(family="mixtral", precision="fp32", fp8=False, no_high=False, max_norm=0.0,
+            micro=1, zero=0)
+CASES = {  # world -> the cases its ranks run (CASE's fields overridden); the first one saves
+    2: [{}, {"fp8": True}, {"family": "qwen3_moe"}, {"no_high": True}, {"precision": "bf16"},
+        {"micro": 2}],  # micro 2: gradient accumulation under no_sync
+    4: [{}, {"fp8": True}, {"max_norm": 0.5, "zero": 1}, {"no_high": True, "zero": 2},
+        {"precision": "bf16", "zero": 2}],
+}
+
+
 def _ranks(rank: int, world: int, save_dir: str) -> dict:
-    cases = [("mixtral", "fp32", False, False, 0.0), ("mixtral", "fp32", True, False, 0.0)]
-    if world == 2:
-        cases += [("qwen3_moe", "fp32", False, False, 0.0), ("mixtral", "fp32", False, True, 0.0),
-                  ("mixtral", "bf16", False, False, 0.0),
-                  ("mixtral", "fp32", False, False, -2)]  # -2: 2 micro-batches, no_sync
-    else:
-        cases += [("mixtral", "fp32", False, False, 0.5)]  # clipped: global norm over ep x dp
     out = {}
-    for family, precision, fp8, no_high, max_norm in cases:
-        micro, max_norm = (2, 0.0) if max_norm == -2 else (1, max_norm)
-        w0 = {n: p.detach().float() for n, p in tiny(family, no_high).named_parameters()}
-        what = (f"world {world} {family} {precision} fp8={fp8} no_high={no_high} "
-                f"clip={max_norm} micro={micro}")
-        ref = reference(family, fp8, no_high, max_norm)
-        first = (family, precision, fp8, no_high, max_norm, micro) == \
-            ("mixtral", "fp32", False, False, 0, 1)
-        save = save_dir if first else None
-        losses, weights, min_rows = boosted(rank, world, 2, family, precision, fp8, no_high,
-                                            save, max_norm, micro)
-        mode = "fp8" if fp8 else precision
-        compare((losses, weights), ref, mode, what, w0)
-        if no_high and rank == 1:
+    for i, case in enumerate(CASES[world]):
+        c = {**CASE, **case}
+        w0 = {n: p.detach().float() for n, p in tiny(c["family"], c["no_high"]).named_parameters()}
+        what = f"world {world} {c}"
+        ref = reference(c["family"], c["fp8"], c["no_high"], c["max_norm"])
+        losses, weights, min_rows = boosted(rank, world, 2, c["family"], c["precision"], c["fp8"],
+                                            c["no_high"], save_dir if i == 0 else None,
+                                            c["max_norm"], c["micro"], c["zero"])
+        compare((losses, weights), ref, "fp8" if c["fp8"] else c["precision"], what, w0)
+        if c["no_high"] and rank % 2 == 1:
             assert min_rows == 0, "ep rank 1 should receive no rows"
         out[what] = losses
-        if first:
+        if i == 0:
             out["saved"] = weights
     for ep in (2, 1) if world == 2 else (4,):  # reload at the saving ep size and another
         _load_at(ep, save_dir, out["saved"])
@@ -226,7 +229,7 @@ def test_moe_plugin_matches_one_process(world, tmp_path) -> None:
 def test_bad_arguments_raise_before_any_collective(monkeypatch) -> None:
     from fp8boost.booster import Booster
     from fp8boost.plugins import MoeHybridParallelPlugin
-    for kwargs in (dict(tp_size=2, ep_size=2), dict(pp_size=2), dict(zero_stage=1),
+    for kwargs in (dict(tp_size=2, ep_size=2), dict(pp_size=2), dict(zero_stage=3),
                    dict(ep_size=0), dict(moe_dp_outside=False)):
         with pytest.raises(ValueError, match="ep_size|tp_size|pp_size|zero_stage|moe_dp"):
             MoeHybridParallelPlugin(**kwargs)
