@@ -77,7 +77,8 @@ class MoeHybridParallelPlugin(Plugin):
         use_fp8: FP8 GEMMs for linear layers and FP8 grouped-GEMM experts (``convert_to_fp8``).
         fp8_communication: the dispatch all-to-all carries e4m3 rows with one FP32 scale per
             row (per token choice); the combine and every gradient all-to-all stay in their
-            dtype; gradients are all-reduced in their dtype.
+            dtype; gradients are all-reduced, and ZeRO's parameters all-gathered, in their
+            dtype (``comm_report`` is not filled in yet).
         moe_dp_outside: only True (Colossal-AI's default layout).
         **options: the shared plugin options (``max_norm``: the global norm over every
             expert of every rank and the replicated parameters once).
