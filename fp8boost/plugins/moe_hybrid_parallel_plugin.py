@@ -61,6 +61,24 @@ def _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside)
                          f"implemented ({_UNSUPPORTED})")
 
 
+class Stage0Optimizer(ZeroOptimizer):
+    """``zero_stage=0``'s optimizer: the plugin reduces gradients after a synchronised
+    ``booster.backward``; after a plain ``loss.backward()`` (which no hook of stage 0 sees)
+    ``step()`` reduces them first, so training does not depend on which one the script called.
+    Collective-safe: every rank calls ``step()``."""
+
+    def __init__(self, optimizer, *, reduce_fn, **kwargs) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.reduce_fn = reduce_fn
+        self.gradients_reduced = False
+
+    def step(self, closure=None) -> None:
+        if not self.gradients_reduced:
+            self.reduce_fn()
+        self.gradients_reduced = False
+        super().step(closure)
+
+
 @takes_plugin_options(positional=("tp_size", "pp_size", "ep_size", "sp_size", "precision",
                                   "zero_stage"))
 class MoeHybridParallelPlugin(Plugin):
@@ -159,8 +177,10 @@ class MoeHybridParallelPlugin(Plugin):
         zero = self.zero_stage > 0
         if zero and self.ep_size > 1:
             self._register_ep_hooks(model)
-        return ZeroOptimizer(
-            optimizer, dp_group=self.moe_dp_group if zero else None,
+        cls = ZeroOptimizer if zero else Stage0Optimizer
+        extra = {} if zero else {"reduce_fn": self.reduce_gradients}
+        return cls(
+            optimizer, **extra, dp_group=self.moe_dp_group if zero else None,
             stage=self.zero_stage if zero else 2, master_weights=self.precision != "fp32",
             overlap_communication=False, max_norm=self.max_norm, pp_group=self.ep_group,
             pp_counted_elsewhere=shared,
@@ -209,6 +229,7 @@ class MoeHybridParallelPlugin(Plugin):
         optimizer.backward(loss)
         if self._sync and self.zero_stage == 0:
             self.reduce_gradients()
+            optimizer.gradients_reduced = True
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:
         @contextlib.contextmanager

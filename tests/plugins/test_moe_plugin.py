@@ -95,7 +95,7 @@ def reference(family: str, fp8: bool, no_high: bool, max_norm: float = 0.0):
 
 
 def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max_norm=0.0,
-            micro=1, zero=0):
+            micro=1, zero=0, plain_backward=False):
     from fp8boost.booster import Booster
     from fp8boost.fp8 import Fp8Config
     from fp8boost.plugins import MoeHybridParallelPlugin
@@ -118,8 +118,11 @@ def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max
         loss = 0.0
         for m, ids in enumerate(batch(s)[rank * b:(rank + 1) * b].chunk(micro)):
             part = model(input_ids=ids, labels=ids).loss / micro
-            with booster.no_sync(model, opt) if m < micro - 1 else contextlib.nullcontext():
-                booster.backward(part, opt)  # the last micro-batch reduces them all
+            if plain_backward:  # stage 0: step() reduces what loss.backward() left
+                part.backward()
+            else:
+                with booster.no_sync(model, opt) if m < micro - 1 else contextlib.nullcontext():
+                    booster.backward(part, opt)  # the last micro-batch reduces them all
             loss = loss + part.detach()
         if max_norm:  # the global norm over every expert and the shared weights once
             losses.append(float(booster.clip_grad_norm_(model, opt, 1e9)))
@@ -176,7 +179,8 @@ CASE = dict(family="mixtral", precision="fp32", fp8=False, no_high=False, max_no
             micro=1, zero=0)
 CASES = {  # world -> the cases its ranks run (CASE's fields overridden); the first one saves
     2: [{}, {"fp8": True}, {"family": "qwen3_moe"}, {"no_high": True}, {"precision": "bf16"},
-        {"micro": 2}],  # micro 2: gradient accumulation under no_sync
+        {"micro": 2},  # micro 2: gradient accumulation under no_sync
+        {"plain_backward": True}],  # loss.backward(), not booster.backward: step() reduces
     4: [{}, {"fp8": True}, {"max_norm": 0.5, "zero": 1}, {"no_high": True, "zero": 2},
         {"precision": "bf16", "zero": 2}],
 }
@@ -212,7 +216,8 @@ def _ranks(rank: int, world: int, save_dir: str) -> dict:
         ref = reference(c["family"], c["fp8"], c["no_high"], c["max_norm"])
         losses, weights, min_rows = boosted(rank, world, 2, c["family"], c["precision"], c["fp8"],
                                             c["no_high"], save_dir if i == 0 else None,
-                                            c["max_norm"], c["micro"], c["zero"])
+                                            c["max_norm"], c["micro"], c["zero"],
+                                            c.get("plain_backward", False))
         compare((losses, weights), ref, "fp8" if c["fp8"] else c["precision"], what, w0)
         if c["no_high"] and rank % 2 == 1:
             assert min_rows == 0, "ep rank 1 should receive no rows"
