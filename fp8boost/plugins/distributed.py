@@ -92,8 +92,17 @@ def destroy_at_exit() -> None:
     printed). Registered with ``atexit`` by :func:`init_distributed` only (a group the user
     created is the user's to destroy); destroying is local, no collective runs.
     """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        # Every rank leaves together: a rank that tore its gloo pairs down while a peer still
+        # finished its last sends aborted the same way (the README's 4-rank pipeline example).
+        # Bounded, so a rank whose peers died does not wait for the collective timeout.
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+        except RuntimeError:
+            pass  # a peer is gone: nothing to wait for
+    dist.destroy_process_group()
 
 
 def _job_store(rank: int, world: int, timeout: datetime.timedelta):
