@@ -9,7 +9,7 @@ import pytest
 
 from fp8boost.fp8 import Fp8Config
 from fp8boost.plugins import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, \
-    TorchDDPPlugin, TorchFSDPPlugin
+    MoeHybridParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "PLUGINS.md"
@@ -27,7 +27,7 @@ def _written(value) -> str:
 
 
 @pytest.mark.parametrize("cls", [TorchDDPPlugin, LowLevelZeroPlugin, GeminiPlugin,
-                                 TorchFSDPPlugin, HybridParallelPlugin])
+                                 TorchFSDPPlugin, HybridParallelPlugin, MoeHybridParallelPlugin])
 def test_plugin_table_matches_the_signature(cls):
     params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
     assert _table(cls.__name__) == {p.name: _written(p.default) for p in params}

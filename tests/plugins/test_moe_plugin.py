@@ -259,6 +259,8 @@ def test_bad_arguments_raise_before_any_collective(monkeypatch) -> None:
                    dict(ep_size=0), dict(moe_dp_outside=False)):
         with pytest.raises(ValueError, match="ep_size|tp_size|pp_size|zero_stage|moe_dp"):
             MoeHybridParallelPlugin(**kwargs)
+    with pytest.raises(ValueError, match=r"fp8_reduce_scatter=True\) is not supported"):
+        MoeHybridParallelPlugin(ep_size=2, fp8_communication=True, fp8_reduce_scatter=True)
     monkeypatch.setenv("WORLD_SIZE", "3")
     model = tiny("mixtral")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
