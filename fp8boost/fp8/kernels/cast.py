@@ -19,7 +19,7 @@ With a given scale (delayed scaling) the amax is fused into the single cast pass
 
 Under the Triton interpreter the FP32->FP8 conversion is not faithful (it truncates and can
 carry into the exponent wrongly), so when interpreting the kernel first rounds to the FP8 grid
-in FP32 (``_round_to_fp8_grid``); exactly representable values then convert exactly.
+in FP32 (``round_to_fp8_grid``); exactly representable values then convert exactly.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def tl_scale_from_amax(a, target, POW2: tl.constexpr):
 
 
 @triton.jit
-def _round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     # Interpreter only: RNE to the FP8 grid in FP32 via the magic-number trick. For
     # |y| < 2**(e+1), adding 2**(e - MANT_BITS + 23) leaves an FP32 whose ulp is the FP8 quantum.
     bits = y.to(tl.int32, bitcast=True)
@@ -112,7 +112,7 @@ def _to_fp8(x, scale, fp8_max_val, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.cons
     y = tl.where(y > fp8_max_val, fp8_max_val, y)
     y = tl.where(y < -fp8_max_val, -fp8_max_val, y)
     if EMULATE_RNE:
-        y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
     q = y.to(OUT_DTYPE)
     if EMULATE_RNE:  # the interpreter turns NaN into a finite FP8 value: write 0x7F (NaN)
         q = tl.where(y != y, tl.full(q.shape, 0x7F, tl.uint8).to(OUT_DTYPE, bitcast=True), q)

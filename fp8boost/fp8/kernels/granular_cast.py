@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ..granular.quantize import GranularFp8
 from ..scaling import FP8_DTYPES, fp8_max
-from .cast import abs_bits, tl_scale_from_amax
+from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
 from .tuning import interpreting
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,16 +60,6 @@ _INTERP_TILE = (32, 64, 1)
 
 
 @triton.jit
-def _grid_round(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    # Interpreter only: RNE to the FP8 grid in FP32 (as kernels.cast does).
-    bits = y.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
-    magic = ((e - MANT_BITS + 150) << 23).to(tl.float32, bitcast=True)
-    r = (tl.abs(y) + magic) - magic
-    return tl.where(bits < 0, -r, r)
-
-
-@triton.jit
 def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
                MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even.
@@ -77,7 +67,7 @@ def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
     y = tl.where(y > fmax, fmax, y)
     y = tl.where(y < -fmax, -fmax, y)
     if EMULATE:
-        y = _grid_round(y, MANT_BITS, MIN_EXP)
+        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
     q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
     if EMULATE:  # the interpreter makes NaN finite: write torch's NaN byte, 0x7F with y's sign
         sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
