@@ -90,14 +90,26 @@ def destroy_at_exit() -> None:
     interpreter's teardown, and about one run in ten of the README's 2-rank example aborted
     there ("terminate called without an active exception", SIGABRT after its last line
     printed). Registered with ``atexit`` by :func:`init_distributed` only (a group the user
-    created is the user's to destroy); destroying is local, no collective runs.
+    created is the user's to destroy).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
+    if dist.is_available() and dist.is_initialized():
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group (and every group made from it), all ranks together.
+
+    Under gloo a rank that tore its pairs down while a peer still finished its last sends
+    aborted the peer ("terminate called without an active exception": the README's 4-rank
+    pipeline example, a Colossal-AI script's ``coordinator.destroy()``), so the ranks first
+    meet at a barrier bounded to 30 s: a rank whose peers died does not wait for the
+    collective timeout. NCCL and one-rank groups are destroyed at once.
+
+    Example:
+        >>> from fp8boost.plugins.distributed import leave_process_group
+        >>> leave_process_group()  # doctest: +SKIP
+    """
     if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-        # Every rank leaves together: a rank that tore its gloo pairs down while a peer still
-        # finished its last sends aborted the same way (the README's 4-rank pipeline example).
-        # Bounded, so a rank whose peers died does not wait for the collective timeout.
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
         except RuntimeError:

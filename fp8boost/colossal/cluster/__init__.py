@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fp8boost.plugins.distributed import leave_process_group
+
 __all__ = ["DistCoordinator"]
 
 
@@ -98,8 +100,11 @@ class DistCoordinator:
                 self.block_all(process_group)  # release the others
 
     def destroy(self, process_group: Optional[ProcessGroup] = None) -> None:
-        """Destroy ``process_group`` (default: the whole job's)."""
-        dist.destroy_process_group(process_group)
+        """Destroy ``process_group`` (default: the whole job's, its ranks leaving together)."""
+        if process_group is None or process_group == dist.group.WORLD:
+            leave_process_group()
+        else:
+            dist.destroy_process_group(process_group)
 
     def on_master_only(self, process_group: Optional[ProcessGroup] = None) -> Callable:
         """Decorator: the function runs on the master of ``process_group`` only (None elsewhere).
