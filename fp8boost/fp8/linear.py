@@ -35,7 +35,8 @@ from . import shared_cast
 from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import GRANULAR_RECIPES, Fp8Config
-from .linear_granular import granular_forward, prepare_granular, weight_operands
+from .linear_granular import (RowGroups, granular_forward, prepare_granular, row_groups,
+                              weight_operands)
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
                            fp8_input_operand, fp8_operand_mismatch, fp8_weight_operand,
@@ -171,6 +172,7 @@ class Fp8Linear(nn.Linear):
         self.keep_frozen_cast = True  # False: FSDP frees unsharded weights (fsdp/wiring.py)
         self.amax_reduce_fn = None
         self._amax_groups: dict[str, object] = {}
+        self._row_groups: Optional[RowGroups] = None  # rowwise under tp: see set_amax_groups
         self._delayed: dict[str, DelayedScalingState] = {}
         self._replay_log = DelayedReplayLog()
         if config.recipe == "delayed":
@@ -217,13 +219,15 @@ class Fp8Linear(nn.Linear):
         Tensorwise: an operand whose rows or columns are split over ``group`` (``"input"``,
         ``"weight"`` or ``"grad"``) is scaled from the whole tensor's amax, all-reduced (MAX),
         as one process would cast it (as Transformer Engine does). Delayed scaling reduces
-        through :meth:`set_amax_reduce_fn`. Rowwise/blockwise keep nothing: scales stay
-        shard-local (``linear_granular.py``).
+        through :meth:`set_amax_reduce_fn`. Rowwise reduces only the per-row amaxes of the
+        operands whose rows span shards; blockwise reduces nothing (shard-local tiles and
+        blocks): see :func:`~fp8boost.fp8.linear_granular.row_groups`.
         """
         bad = set(groups) - set(_ROLES)
         if bad:
             raise ValueError(f"unknown FP8 operand role(s) {sorted(bad)}; use {_ROLES}")
         granular = self.fp8_config.recipe in GRANULAR_RECIPES
+        self._row_groups = row_groups(groups, self.fp8_config.recipe)
         self._amax_groups = {} if granular else {
             k: g for k, g in groups.items() if g is not None}
         self._w_cache = None
@@ -462,7 +466,7 @@ class Fp8Linear(nn.Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         if self.fp8_config.recipe in GRANULAR_RECIPES:  # rowwise/blockwise: linear_granular.py
             y = granular_forward(x2d, self.weight, bias, self.fp8_config, self._fp8_backend,
-                                 self._frozen_granular_operands())
+                                 self._frozen_granular_operands(), self._row_groups)
         else:
             y = self._tensorwise_forward(x, x2d, bias)
         # A 2-D input gets the GEMM output itself, not a view of it: FSDP2 warns about modules
@@ -489,7 +493,7 @@ class Fp8Linear(nn.Linear):
             return None
         key = self._weight_cache_key()
         if self._w_cache is None or self._w_cache[0] != key:
-            self._w_cache = (key, weight_operands(w, self.fp8_config))
+            self._w_cache = (key, weight_operands(w, self.fp8_config, self._row_groups))
         return self._w_cache[1]
 
     def extra_repr(self) -> str:

@@ -3,14 +3,15 @@
 What the tensorwise path of :class:`~fp8boost.fp8.linear.Fp8Linear` has and these recipes do
 not use, by design:
 
-* no amax history buffers (current scaling per row/tile/block) and no amax reduction: every
-  scale comes from the elements of its own row, tile or block. Under tensor parallelism each
-  rank scales its shard's rows/tiles from their own elements (``set_amax_groups`` stores
-  nothing for these recipes): where a row of an operand spans shards (the input and weight of
-  a row-parallel layer, the output gradient and ``W^T`` of a column-parallel one) the scale is
-  the shard's, finer than one process's, so parity with one process holds within FP8
-  tolerance rather than bit for bit; blockwise tiles and blocks of shards that are multiples
-  of ``block_size`` are exactly one process's;
+* no amax history buffers (current scaling per row/tile/block) and no tensor-wide amax:
+  every scale comes from the elements of its own row, tile or block. Under tensor
+  parallelism (``set_amax_groups``), rowwise reduces only where a row spans shards: the
+  per-row amaxes of the input and weight of a row-parallel layer (K split) and of the output
+  gradient and ``W^T`` of a column-parallel one (N split) are all-reduced (MAX, one float per
+  row), so every FP8 byte is the one one process would cast (:class:`RowGroups`). Blockwise
+  needs no reduction: tiles and blocks stay within a shard, exactly one process's when the
+  split dim of each shard is a multiple of ``block_size`` (otherwise the tile or block at a
+  shard edge is scaled from the shard's part of it);
 * no shared input casts (``share_input_casts``: under ``torch.compile`` CSE merges them);
 * no prequantized weight (``set_prequantized_weight`` refuses these recipes, FSDP2's and ZeRO's
   FP8 all-gathers leave their weights in high precision): an FP8 carrier that reaches the
@@ -28,11 +29,11 @@ import torch
 from fp8boost import _state
 
 from .config import Fp8Config
-from .granular.function import granular_linear, weight_operands
+from .granular.function import RowGroups, granular_linear, weight_operands
 from .granular.gemm import prepare as prepare_granular
 from .prequantized import Fp8WeightTensor, dequantize_weight
 
-__all__ = ["granular_forward", "prepare_granular", "weight_operands"]
+__all__ = ["RowGroups", "granular_forward", "prepare_granular", "row_groups", "weight_operands"]
 
 
 class _Dequantize(torch.autograd.Function):
@@ -58,8 +59,31 @@ def _plain(t: torch.Tensor, role: str, recipe: str) -> torch.Tensor:
     return _Dequantize.apply(t)
 
 
+def row_groups(groups: dict[str, object], recipe: str) -> Optional[RowGroups]:
+    """What ``Fp8Linear.set_amax_groups``'s ``{role: group}`` means for a granular recipe.
+
+    The roles name the operands tensor parallelism splits (the tensorwise meaning): ``input``
+    and ``weight`` for a row-parallel layer, ``grad`` and ``weight`` for a column-parallel
+    one. Rowwise turns them into the operands whose rows span shards: ``input`` -> ``x``,
+    ``grad`` -> ``dy``, and ``weight`` -> ``w`` when K is split (``input`` given) or ``wt``
+    when N is split (``grad`` given). Blockwise: None (shard-local tiles and blocks).
+    """
+    if recipe != "rowwise" or not groups:
+        return None
+    w = groups.get("weight")
+    if w is not None and groups.get("input") is None and groups.get("grad") is None:
+        raise ValueError("set_amax_groups: under the rowwise recipe the 'weight' role alone "
+                         "does not say which dim is split; pass 'input' with it for a "
+                         "row-parallel layer (K split) or 'grad' for a column-parallel one "
+                         "(N split)")
+    return RowGroups(x=groups.get("input"), dy=groups.get("grad"),
+                     w=w if groups.get("input") is not None else None,
+                     wt=w if groups.get("grad") is not None else None)
+
+
 def granular_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     config: Fp8Config, backend, weight_q=None) -> torch.Tensor:
+                     config: Fp8Config, backend, weight_q=None,
+                     groups: Optional[RowGroups] = None) -> torch.Tensor:
     """``Fp8Linear``'s forward under a rowwise/blockwise ``config``: ``[M, K] -> [M, N]``.
 
     Args:
@@ -69,7 +93,8 @@ def granular_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         config: the layer's ``Fp8Config`` (``recipe`` in ``GRANULAR_RECIPES``).
         backend: the layer's resolved ``Fp8Backend``.
         weight_q: the frozen weight's kept operands (:func:`weight_operands`), or None.
+        groups: the rowwise tensor-parallel reductions (:func:`row_groups`), or None.
     """
     x2d = _plain(x2d, "input", config.recipe)
     weight = _plain(weight, "weight", config.recipe)
-    return granular_linear(x2d, weight, bias, config, backend, weight_q)
+    return granular_linear(x2d, weight, bias, config, backend, weight_q, groups)

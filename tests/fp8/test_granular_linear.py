@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8boost.fp8 import Fp8Config, Fp8Linear, convert_to_fp8
-from fp8boost.fp8.granular import granular_linear
+from fp8boost.fp8.granular import RowGroups, granular_linear
 from fp8boost.fp8.linear import invalidate_weight_caches
 
 RECIPES = ["rowwise", "rowwise_with_gw_hp", "blockwise", "blockwise_pow2"]
@@ -79,6 +79,15 @@ def test_no_tensorwise_machinery_for_granular_recipes(name, monkeypatch):
     group = object()
     layer.set_amax_groups({"input": group, "weight": group})
     assert layer.amax_group("input") is None and layer.amax_group("weight") is None
+    # rowwise reduces the row amaxes of a row-parallel layer's x and W; blockwise nothing
+    rowwise = layer.fp8_config.recipe == "rowwise"
+    assert layer._row_groups == (RowGroups(x=group, w=group) if rowwise else None)
+    layer.set_amax_groups({"grad": group, "weight": group})
+    assert layer._row_groups == (RowGroups(dy=group, wt=group) if rowwise else None)
+    if rowwise:
+        with pytest.raises(ValueError, match="'input' with it"):
+            layer.set_amax_groups({"weight": group})
+    layer.set_amax_groups({})
     with pytest.raises(ValueError, match="tensorwise"):
         layer.set_prequantized_weight(torch.zeros(136, 200, dtype=torch.float8_e4m3fn),
                                       torch.ones(()))

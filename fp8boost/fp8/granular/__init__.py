@@ -4,13 +4,13 @@
 ``gemm``: :func:`granular_mm` on the emulated / cuBLAS paths; ``function``:
 :func:`granular_linear`, the autograd function Fp8Linear runs for these recipes.
 """
-from .function import GranularLinearFunction, granular_linear, weight_operands
+from .function import GranularLinearFunction, RowGroups, granular_linear, weight_operands
 from .gemm import (blockwise_gemm_unavailable, blockwise_scaled_mm, emulated_mm, granular_mm,
                    rowwise_scaled_mm)
 from .quantize import (GranularFp8, quantize_blocks, quantize_cols_t, quantize_operands,
                        quantize_rows, quantize_tiles, quantize_tiles_t)
 
-__all__ = ["GranularFp8", "GranularLinearFunction", "blockwise_gemm_unavailable",
+__all__ = ["GranularFp8", "GranularLinearFunction", "RowGroups", "blockwise_gemm_unavailable",
            "blockwise_scaled_mm", "rowwise_scaled_mm",
            "emulated_mm", "granular_linear", "granular_mm", "quantize_blocks",
            "quantize_cols_t", "quantize_operands", "quantize_rows", "quantize_tiles",

@@ -17,7 +17,7 @@ so inductor fuses the quantizers into their producers.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,12 +26,32 @@ from .gemm import cast_result, granular_mm
 from .quantize import GranularFp8, quantize_operands
 
 
+class RowGroups(NamedTuple):
+    """Tensor parallelism under the rowwise recipe: the process group over which each
+    operand's rows span shards (None: the rows are whole on this rank).
+
+    Its per-row amaxes are all-reduced there, so each row is scaled as one process scales it.
+    A row-parallel layer (K split) sets ``x`` and ``w``; a column-parallel one (N split) sets
+    ``dy`` and ``wt``. The wgrad operands are reduced over the token axis, never split by tp.
+    """
+
+    x: object = None
+    """The input's rows (fprop operand ``x[M, K]``)."""
+    w: object = None
+    """The weight's rows (fprop operand ``W[N, K]``)."""
+    dy: object = None
+    """The output gradient's rows (dgrad operand ``dy[M, N]``)."""
+    wt: object = None
+    """The weight's columns (dgrad operand ``W^T[K, N]``)."""
+
+
 def _quantize(x: torch.Tensor, dtype: torch.dtype, cfg: Fp8Config, *, weight: bool,
-              rows: bool, cols: bool, backend=None):
+              rows: bool, cols: bool, backend=None, rows_group=None, cols_group=None):
     # backend triton/cublas: eager CUDA casts take the Triton kernels (the same bytes).
     return quantize_operands(x, dtype, cfg.recipe, weight=weight, rows=rows, cols=cols,
                              block=cfg.block_size, margin=cfg.margin,
-                             power_of_2=cfg.power_of_2_scale, backend=backend)
+                             power_of_2=cfg.power_of_2_scale, backend=backend,
+                             rows_group=rows_group, cols_group=cols_group)
 
 
 def _fast_accum(cfg: Fp8Config, which: str) -> bool:
@@ -48,33 +68,41 @@ def _layout(q: Optional[GranularFp8]) -> tuple:
     return (None, 0) if q is None else (q.kind, q.block)
 
 
-def weight_operands(weight: torch.Tensor, cfg: Fp8Config) -> tuple[GranularFp8, GranularFp8]:
+def weight_operands(weight: torch.Tensor, cfg: Fp8Config,
+                    groups: Optional[RowGroups] = None) -> tuple[GranularFp8, GranularFp8]:
     """Both FP8 operands of ``weight`` (fprop's and dgrad's), as the GEMMs would make them.
 
     For a caller that keeps them while the weight is unchanged (Fp8Linear's frozen weights):
-    passed back as ``granular_linear(..., weight_q=...)`` they give the same bytes as a cast.
+    passed back as ``granular_linear(..., weight_q=...)`` (with the same ``groups``) they give
+    the same bytes as a cast.
     """
-    return _quantize(weight.detach(), cfg.fwd_dtype, cfg, weight=True, rows=True, cols=True)
+    g = groups or RowGroups()
+    return _quantize(weight.detach(), cfg.fwd_dtype, cfg, weight=True, rows=True, cols=True,
+                     rows_group=g.w, cols_group=g.wt)
 
 
 class GranularLinearFunction(torch.autograd.Function):
-    """``apply(x2d, weight, bias, config, backend, weight_q)``: see :func:`granular_linear`."""
+    """``apply(x2d, weight, bias, config, backend, weight_q, groups)``: see
+    :func:`granular_linear`."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, cfg: Fp8Config, backend, weight_q=None):
+    def forward(ctx, x2d, weight, bias, cfg: Fp8Config, backend, weight_q=None,
+                groups: Optional[RowGroups] = None):
+        g = groups or RowGroups()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
         xq, xq_t = _quantize(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
-                             cols=need_wgrad and not hp_wgrad, backend=backend)
+                             cols=need_wgrad and not hp_wgrad, backend=backend, rows_group=g.x)
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
         if weight_q is not None:  # made by weight_operands: the same bytes
             wq, wq_t = weight_q[0], weight_q[1] if keep_wt else None
         else:
             wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
-                                 cols=keep_wt, backend=backend)
+                                 cols=keep_wt, backend=backend, rows_group=g.w,
+                                 cols_group=g.wt)
         y = granular_mm(xq, wq, backend, bias=bias, out_dtype=x2d.dtype,
                         use_fast_accum=_fast_accum(cfg, "fprop"))
-        ctx.cfg, ctx.backend = cfg, backend
+        ctx.cfg, ctx.backend, ctx.groups = cfg, backend, g
         ctx.need_dgrad, ctx.need_wgrad, ctx.hp_wgrad = need_dgrad, need_wgrad, hp_wgrad
         ctx.recast = need_dgrad and cfg.recompute_weight_cast
         # A given dgrad operand is used in backward instead of a re-cast (same bytes); what is
@@ -93,18 +121,19 @@ class GranularLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xt_data, xt_inv, wt_data, wt_inv, x_hp, w_param = ctx.saved_tensors
-        cfg, backend = ctx.cfg, ctx.backend
+        cfg, backend, g = ctx.cfg, ctx.backend, ctx.groups
         x_kind, x_block, w_kind, w_block = ctx.kinds
         dy = dy.contiguous()
         dyq, dyq_t = _quantize(dy, cfg.grad_dtype, cfg, weight=False, rows=ctx.need_dgrad,
-                               cols=ctx.need_wgrad and not ctx.hp_wgrad, backend=backend)
+                               cols=ctx.need_wgrad and not ctx.hp_wgrad, backend=backend,
+                               rows_group=g.dy)
         dx = dw = db = None
         if ctx.need_dgrad:
             if ctx.weight_t is not None:
                 wq_t = ctx.weight_t
             elif ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
                 _, wq_t = _quantize(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
-                                    cols=True, backend=backend)
+                                    cols=True, backend=backend, cols_group=g.wt)
             else:
                 wq_t = GranularFp8(wt_data, wt_inv, w_kind, w_block)
             dx = granular_mm(dyq, wq_t, backend, out_dtype=ctx.x_dtype,
@@ -119,12 +148,13 @@ class GranularLinearFunction(torch.autograd.Function):
                              use_fast_accum=_fast_accum(cfg, "wgrad"))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     config: Fp8Config, backend,
-                    weight_q: Optional[tuple[GranularFp8, GranularFp8]] = None) -> torch.Tensor:
+                    weight_q: Optional[tuple[GranularFp8, GranularFp8]] = None,
+                    groups: Optional[RowGroups] = None) -> torch.Tensor:
     """``x2d @ weight.T + bias`` with FP8 GEMMs under the rowwise or blockwise recipe.
 
     A pure function of its inputs (no state, no caches; a caller may pass the weight's
@@ -141,6 +171,8 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         backend: an ``Fp8Backend`` (``get_backend(config.backend, device)``) or its name.
         weight_q: ``weight_operands(weight, config)`` made earlier and kept by the caller
             (valid only while ``weight`` is unchanged): skips the weight's casts.
+        groups: under tensor parallelism with the rowwise recipe, the process groups over
+            which operands' rows span shards (:class:`RowGroups`); None: no operand does.
 
     Returns:
         ``[M, N]`` in ``x2d.dtype``; gradients come back in the dtypes of x2d, weight, bias.
@@ -166,4 +198,7 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                          "of x with x.reshape(-1, x.shape[-1])")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    return GranularLinearFunction.apply(x2d, weight, bias, config, backend, weight_q)
+    if groups is not None and any(g is not None for g in groups) and config.recipe != "rowwise":
+        raise ValueError(f"granular_linear: RowGroups apply to the rowwise recipe only, got "
+                         f"{config.recipe!r} (its tiles and blocks are scaled within a shard)")
+    return GranularLinearFunction.apply(x2d, weight, bias, config, backend, weight_q, groups)

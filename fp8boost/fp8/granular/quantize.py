@@ -103,8 +103,12 @@ def _pad_cols(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: int = 0,
-                  power_of_2: bool = False) -> GranularFp8:
+                  power_of_2: bool = False, amax_group=None) -> GranularFp8:
     """One scale per row of ``x[R, C]`` (amax over C): the operand ``x`` reduced over C.
+
+    ``amax_group``: a process group over which ``x`` is a shard along C (tensor
+    parallelism): the row amaxes are all-reduced (MAX, ``R`` floats) so every row is scaled
+    from all of its elements, as one process scales it, and the FP8 bytes are that process's.
 
     Example:
         >>> q = quantize_rows(torch.randn(4, 32))
@@ -114,6 +118,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: int = 0
     _check_2d(x)
     a = x.detach().abs().amax(dim=1, keepdim=True).float() if x.shape[1] else \
         torch.zeros(x.shape[0], 1, device=x.device)
+    if spans_ranks(amax_group):
+        torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=amax_group)
     scale = scale_from_amax(a, dtype, margin, power_of_2)
     # contiguous: from quantize_cols_t, x is a transposed view and the cast keeps its strides;
     # GEMM operands must be row-major (1 byte/element to copy, not the 2-4 of the input).
@@ -121,11 +127,18 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: int = 0
 
 
 def quantize_cols_t(x: torch.Tensor, dtype: torch.dtype = E4M3, *, margin: int = 0,
-                    power_of_2: bool = False) -> GranularFp8:
+                    power_of_2: bool = False, amax_group=None) -> GranularFp8:
     """One scale per column of ``x[R, C]`` (amax over R), emitted transposed: the operand
-    ``x^T[C, R]`` reduced over R (wgrad's operands, scaled along the token axis)."""
+    ``x^T[C, R]`` reduced over R (wgrad's operands, scaled along the token axis; ``W^T`` in
+    dgrad). ``amax_group``: ``x`` is a shard along R over it (see :func:`quantize_rows`)."""
     _check_2d(x)
-    return quantize_rows(x.t(), dtype, margin=margin, power_of_2=power_of_2)
+    return quantize_rows(x.t(), dtype, margin=margin, power_of_2=power_of_2,
+                         amax_group=amax_group)
+
+
+def spans_ranks(group) -> bool:
+    """Whether ``group`` (a process group or None) has more than one rank."""
+    return group is not None and torch.distributed.get_world_size(group) > 1
 
 
 def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 128,
@@ -212,8 +225,8 @@ def fused_kernels(x: torch.Tensor, backend) -> Optional[object]:
 
 def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weight: bool,
                       rows: bool = True, cols: bool = False, block: int = 128, margin: int = 0,
-                      power_of_2: bool = False, backend=None
-                      ) -> tuple[Optional[GranularFp8], Optional[GranularFp8]]:
+                      power_of_2: bool = False, backend=None, rows_group=None,
+                      cols_group=None) -> tuple[Optional[GranularFp8], Optional[GranularFp8]]:
     """Every operand the GEMMs need from one tensor ``x[R, C]``, in one call.
 
     ``rows``: the operand reduced over C (``x`` itself: x and W in fprop, dy in dgrad).
@@ -226,6 +239,12 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
     :mod:`fp8boost.fp8.kernels.granular_cast` (the same bytes, in fewer reads of ``x``; see
     :func:`fused_kernels`); otherwise these torch ops.
 
+    ``rows_group`` / ``cols_group`` (``rowwise`` only; tensor parallelism): ``x`` is a shard
+    along C / along R over that process group, so the ``rows`` / ``cols`` operand's per-row
+    amaxes are all-reduced first (:func:`quantize_rows`). Such a cast takes these torch ops
+    (the Triton kernels cast in the same pass that finds the amax). Blockwise tiles and blocks
+    never need it: they stay within a shard whose split dim is a multiple of ``block``.
+
     Returns:
         ``(rows_operand or None, cols_operand or None)``.
 
@@ -236,13 +255,23 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
         ((256, 1), (64, 256), (64, 2))
     """
     kw = {"margin": margin, "power_of_2": power_of_2}
+    reduced = (rows and spans_ranks(rows_group)) or (cols and spans_ranks(cols_group))
+    if reduced and recipe != "rowwise":
+        raise ValueError(f"quantize_operands: amax groups apply to the rowwise recipe only, "
+                         f"got {recipe!r} (its tiles and blocks are scaled within a shard)")
     kernels = fused_kernels(x, backend)
+    if kernels is not None and reduced:
+        _state.log_once(_LOG, "granular-tp-rows-torch-cast", "fp8boost: rowwise casts of "
+                        "operands whose rows span tensor-parallel shards use the torch ops, "
+                        "not the Triton kernels (the row amax is all-reduced between the amax "
+                        "pass and the cast)")
+        kernels = None
     if kernels is not None and kernels.supports(x, dtype, recipe, block=block, **kw):
         return kernels.quantize_operands(x, dtype, recipe, weight=weight, rows=rows, cols=cols,
                                          block=block, **kw)
     if recipe == "rowwise":
-        return (quantize_rows(x, dtype, **kw) if rows else None,
-                quantize_cols_t(x, dtype, **kw) if cols else None)
+        return (quantize_rows(x, dtype, amax_group=rows_group, **kw) if rows else None,
+                quantize_cols_t(x, dtype, amax_group=cols_group, **kw) if cols else None)
     if recipe != "blockwise":
         raise ValueError(f"quantize_operands: recipe {recipe!r} is not granular; use "
                          "'rowwise' or 'blockwise' (tensorwise casts live in fp8.scaling)")

@@ -149,8 +149,9 @@ def _parallel_lm_head(model: nn.Module, head: nn.Module, group, sp: bool, n: int
 
 
 def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
-    """Tensorwise FP8 layers scale split operands from an amax over ``group``; rowwise and
-    blockwise layers ignore it (shard-local scales: ``fp8/linear_granular.py``)."""
+    """Tensorwise FP8 layers scale split operands from an amax over ``group``; rowwise layers
+    reduce the per-row amaxes of the operands whose rows span the shards, blockwise layers
+    nothing (shard-local tiles and blocks): ``fp8/linear_granular.py``."""
     from fp8boost.fp8 import is_fp8_layer
 
     if not is_fp8_layer(module):
