@@ -26,11 +26,9 @@ from torch import nn
 
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .checkpoint_io import GeneralCheckpointIO, verify_checksums
-from .checkpoint_io.model_io import read_model
+from .checkpoint_io.moe import MoeCheckpointIO
 from .distributed import broadcast_module
-from .moe_dispatch import (EpExperts, expert_params, expert_spec_of, find_experts,
-                           shard_experts, whole_experts)
+from .moe_dispatch import EpExperts, expert_params, expert_spec_of, find_experts, shard_experts
 from .options import takes_plugin_options
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
@@ -101,9 +99,14 @@ class MoeHybridParallelPlugin(Plugin):
         **options: the shared plugin options (``max_norm``: the global norm over every
             expert of every rank and the replicated parameters once).
 
-    Checkpoints: ``save_model`` writes the HF layout with every expert (all-gathered over the
-    ep group per parameter); ``load_model`` reads such a file (or ``save_pretrained``'s) at
-    any ep size. Optimizer checkpoints raise ValueError (not implemented yet).
+    Checkpoints (:mod:`~fp8boost.plugins.checkpoint_io.moe`): ``save_model`` writes the HF
+    layout with every expert (all-gathered over the ep group per parameter); ``load_model``
+    reads such a file (or ``save_pretrained``'s) at any ep size. ``save_optimizer`` writes one
+    re-shardable optimizer directory per ep rank (atomically, with checksums);
+    ``load_optimizer`` restores it bit-exactly at the same ``ep_size`` and any dp size or
+    ZeRO stage, and refuses another ``ep_size`` (ValueError naming both layouts, before any
+    collective). ``save_checkpoint``/``load_checkpoint`` (model, optimizer, LR scheduler,
+    ``extra``) and ``save_lr_scheduler`` work as for the other plugins.
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
@@ -259,32 +262,6 @@ class MoeHybridParallelPlugin(Plugin):
 
     def get_checkpoint_io(self):
         """Checkpoint IO: HF-layout model files with every expert (save and load, at any
-        ep size); optimizer checkpoints refused (see the class docstring)."""
+        ep size); optimizer state per ep rank (see the class docstring)."""
         return MoeCheckpointIO(self)
 
-
-class MoeCheckpointIO(GeneralCheckpointIO):
-    """``GeneralCheckpointIO`` whose model files hold every expert.
-
-    ``save_model``: rank 0 writes, the expert Parameters replaced by their all-gathered whole
-    (``MoeHybridParallelPlugin.exact_weights``). ``load_model``: each rank's expert
-    Parameters are grown to all E experts, the whole file is read with the usual key and
-    shape checks, then each rank keeps its own experts again: a checkpoint saved at one ep
-    size (or by ``save_pretrained``) loads at any other.
-    """
-
-    def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
-        verify_checksums(os.fspath(path), self.group)
-        experts = [m for m in self.plugin.unwrap_model(model).modules()
-                   if isinstance(m, EpExperts)]
-        with whole_experts(experts):
-            read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
-        self.plugin.after_load_model(model)
-
-    def save_optimizer(self, optimizer, path: str) -> None:
-        raise ValueError("MoeHybridParallelPlugin: optimizer checkpoints are not implemented "
-                         "yet (expert states are sharded over ep); save the model only")
-
-    def load_optimizer(self, optimizer, path: str) -> None:
-        raise ValueError("MoeHybridParallelPlugin: optimizer checkpoints are not implemented "
-                         "yet (expert states are sharded over ep)")
