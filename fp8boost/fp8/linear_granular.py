@@ -13,9 +13,10 @@ not use, by design:
   split dim of each shard is a multiple of ``block_size`` (otherwise the tile or block at a
   shard edge is scaled from the shard's part of it);
 * no shared input casts (``share_input_casts``: under ``torch.compile`` CSE merges them);
-* no prequantized weight (``set_prequantized_weight`` refuses these recipes, FSDP2's and ZeRO's
-  FP8 all-gathers leave their weights in high precision): an FP8 carrier that reaches the
-  layer anyway (weight or input) is dequantized and re-quantized, warned once;
+* no prequantized weight (``set_prequantized_weight`` refuses these recipes): a blockwise
+  layer takes a block-scaled FP8 weight carrier of its own format as is (FSDP2's block-scaled
+  FP8 all-gather makes them: ``parallel/fsdp/block_gather.py``); any other FP8 carrier
+  (weight or input) is dequantized and re-quantized, warned once;
 * the weight cast is not cached across micro-batches (``cache_weight_cast``), except for a
   frozen weight (LoRA's base layer): its two FP8 operands (fprop's and dgrad's) are made once
   and reused until the weight is written, loaded or :func:`invalidate_weight_caches` runs.
@@ -29,7 +30,7 @@ import torch
 from fp8boost import _state
 
 from .config import Fp8Config
-from .granular.function import RowGroups, granular_linear, weight_operands
+from .granular.function import RowGroups, carrier_mismatch, granular_linear, weight_operands
 from .granular.gemm import prepare as prepare_granular
 from .prequantized import Fp8WeightTensor, dequantize_weight
 
@@ -49,10 +50,14 @@ class _Dequantize(torch.autograd.Function):
         return grad
 
 
-def _plain(t: torch.Tensor, role: str, recipe: str) -> torch.Tensor:
+def _plain(t: torch.Tensor, role: str, config: Fp8Config) -> torch.Tensor:
     if not isinstance(t, Fp8WeightTensor):
         return t
-    why = (f"an FP8 {role} carries one scale per tensor; the {recipe} recipe re-quantizes it "
+    if role == "weight" and carrier_mismatch(t, config) is None:
+        return t  # block-scaled FP8 of this layer's format: the GEMM operand as is
+    recipe = config.recipe
+    why = (carrier_mismatch(t, config) if t.block else
+           f"an FP8 {role} carries one scale per tensor; the {recipe} recipe re-quantizes it "
            "per row/tile (send it in high precision to skip the double rounding)")
     _state.warn_once(("fp8-linear-granular-carrier", role),
                      f"fp8boost: Fp8Linear dequantizes an FP8 {role}: {why}")
@@ -95,6 +100,6 @@ def granular_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         weight_q: the frozen weight's kept operands (:func:`weight_operands`), or None.
         groups: the rowwise tensor-parallel reductions (:func:`row_groups`), or None.
     """
-    x2d = _plain(x2d, "input", config.recipe)
-    weight = _plain(weight, "weight", config.recipe)
+    x2d = _plain(x2d, "input", config)
+    weight = _plain(weight, "weight", config)
     return granular_linear(x2d, weight, bias, config, backend, weight_q, groups)

@@ -10,6 +10,9 @@ rounding. The carrier lets the bytes go straight into the FP8 GEMM:
   FSDP and autograd treat it as the parameter it stands for;
 * ``Fp8Linear`` recognises it and uses ``fp8_data`` / ``inv_scale`` as its weight operand (no
   cast, no weight-cast cache);
+* with ``block`` > 0 it carries one scale per ``block`` x ``block`` block (the blockwise
+  recipe's weight operand, e.g. from FSDP2's block-scaled FP8 all-gather): ``inv_scale`` is
+  ``[>= ceil(N/block), ceil(K/block)]`` (rows beyond the weight's are padding, unread);
 * every other op sees the dequantized value (correct, slower, warned once per op), and an
   in-place write raises, since it would be lost.
 
@@ -48,8 +51,10 @@ class Fp8WeightTensor(torch.Tensor):
 
     Args:
         data: FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``), the weight's shape.
-        inv_scale: FP32 0-dim tensor; ``data.float() * inv_scale`` is the weight.
+        inv_scale: FP32 0-dim tensor; ``data.float() * inv_scale`` is the weight. With
+            ``block``: FP32 ``[>= ceil(N/block), ceil(K/block)]``, one per block.
         dtype: the dtype the weight presents (the parameter's compute dtype).
+        block: 0 (one scale) or the side of the square blocks of a 2-D ``[N, K]`` weight.
 
     Example:
         >>> import torch
@@ -66,20 +71,28 @@ class Fp8WeightTensor(torch.Tensor):
     """FP32 0-dim: ``fp8_data.float() * inv_scale`` is the weight."""
     fp8_data_t: Optional[torch.Tensor]
     """Optional [K, M] transpose of ``fp8_data`` viewed as [M, K] (K = the last dim)."""
+    block: int
+    """0: ``inv_scale`` is one scale; else the side of the square blocks it scales."""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype,
-                requires_grad: bool = False, data_t: Optional[torch.Tensor] = None):
+                requires_grad: bool = False, data_t: Optional[torch.Tensor] = None,
+                block: int = 0):
         if data.dtype not in FP8_DTYPES:
             raise TypeError(f"Fp8WeightTensor needs FP8 data, got {data.dtype}")
+        if block and (data.dim() != 2 or data_t is not None):
+            raise ValueError(f"a block-scaled Fp8WeightTensor is a 2-D weight without data_t, "
+                             f"got shape {tuple(data.shape)}")
         return torch.Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
             dtype=dtype, layout=data.layout, device=data.device, requires_grad=requires_grad)
 
     def __init__(self, data: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype,
-                 requires_grad: bool = False, data_t: Optional[torch.Tensor] = None) -> None:
+                 requires_grad: bool = False, data_t: Optional[torch.Tensor] = None,
+                 block: int = 0) -> None:
         self.fp8_data = data
         self.inv_scale = inv_scale
+        self.block = block
         # Optional [K, M] transpose of the data viewed as [M, K] (K = the last dim), made once
         # by the producer and shared by every consumer (an activation feeding q, k and v).
         self.fp8_data_t = data_t
@@ -87,8 +100,9 @@ class Fp8WeightTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
+        scales = f"block={self.block}" if self.block else f"inv_scale={self.inv_scale!r}"
         return (f"Fp8WeightTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"fp8={self.fp8_data.dtype}, inv_scale={self.inv_scale!r})")
+                f"fp8={self.fp8_data.dtype}, {scales})")
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The weight's value as a plain tensor (default: the dtype it presents)."""
@@ -97,16 +111,19 @@ class Fp8WeightTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _VIEW_OPS:
+        if func in _VIEW_OPS and _keeps_blocks(func, args, kwargs):
             src = args[0]
             data = func(src.fp8_data, *args[1:], **kwargs)
+            if src.block:
+                return cls(data, src.inv_scale, src.dtype, block=src.block)
             keep_t = src.fp8_data_t is not None and func is not aten.as_strided.default \
                 and data.dim() > 0 and data.shape[-1] == src.fp8_data.shape[-1]
             return cls(data, src.inv_scale, src.dtype, data_t=src.fp8_data_t if keep_t else None)
         if func is aten.clone.default:
             src = args[0]
             data_t = src.fp8_data_t.clone() if src.fp8_data_t is not None else None
-            return cls(src.fp8_data.clone(), src.inv_scale.clone(), src.dtype, data_t=data_t)
+            return cls(src.fp8_data.clone(), src.inv_scale.clone(), src.dtype, data_t=data_t,
+                       block=src.block)
         _reject_writes(func, args, kwargs)
         # Anything else reads the weight: give it the exact dequantized value, never FP8 bytes
         # reinterpreted, and say once per op that this costs a dequantize.
@@ -119,12 +136,27 @@ class Fp8WeightTensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         inner = ["fp8_data", "inv_scale"] + (["fp8_data_t"] if self.fp8_data_t is not None else [])
-        return inner, {"dtype": self.dtype}
+        return inner, {"dtype": self.dtype, "block": self.block}
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: dict, outer_size, outer_stride):
         return Fp8WeightTensor(inner["fp8_data"], inner["inv_scale"], meta["dtype"],
-                               data_t=inner.get("fp8_data_t"))
+                               data_t=inner.get("fp8_data_t"), block=meta.get("block", 0))
+
+
+def _keeps_blocks(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether view op ``func`` leaves a block-scaled carrier's blocks where they were: the
+    result must be the leading rows of the same row-major ``[N, K]`` (FSDP2 narrows its padded
+    all-gather output so); any other view (a reshape, a column slice, a transpose) would move
+    bytes away from their scales, so it runs on the dequantized value instead."""
+    src = args[0]
+    if not src.block or func is not aten.as_strided.default:
+        return not src.block or func in (aten.detach.default, aten.alias.default)
+    size, stride = args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    k = src.fp8_data.shape[1]
+    return (len(size) == 2 and size[1] == k and tuple(stride) == (k, 1)
+            and (offset or 0) == src.fp8_data.storage_offset())
 
 
 # Module-level functions, not methods: torch.compile treats a method call on a tensor (subclass)
@@ -166,7 +198,16 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
 
 def dequantize_weight(w: Fp8WeightTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The weight's value as a plain tensor (default: the dtype ``w`` presents)."""
-    return dequantize(w.fp8_data, w.inv_scale, dtype or w.dtype)
+    return dequantize(w.fp8_data, block_inv_scales(w) if w.block else w.inv_scale,
+                      dtype or w.dtype)
+
+
+def block_inv_scales(w: Fp8WeightTensor) -> torch.Tensor:
+    """A block-scaled carrier's inverse scale of every element, ``[N, K]`` FP32."""
+    n, k = w.fp8_data.shape
+    b = w.block
+    s = w.inv_scale[:-(-n // b), :-(-k // b)].float()
+    return s.repeat_interleave(b, dim=0)[:n].repeat_interleave(b, dim=1)[:, :k]
 
 
 def fp8_operand_mismatch(t: Fp8WeightTensor, role: str, fwd_dtype: torch.dtype, delayed: bool,
@@ -177,6 +218,8 @@ def fp8_operand_mismatch(t: Fp8WeightTensor, role: str, fwd_dtype: torch.dtype, 
     (tensorwise) scaling (delayed scaling derives the scale from the layer's own amax history)
     and, where given, the operand's ``shape``. None when it can.
     """
+    if t.block:
+        return f"it carries {t.block}x{t.block} block scales (the blockwise recipe's weight)"
     if t.fp8_data.dtype != fwd_dtype:
         return f"its FP8 format {t.fp8_data.dtype} is not the forward format {fwd_dtype}"
     if delayed:

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..config import GRANULAR_RECIPES, Fp8Config
+from ..prequantized import Fp8WeightTensor
 from .gemm import cast_result, granular_mm
 from .quantize import GranularFp8, quantize_operands
 
@@ -68,6 +69,26 @@ def _layout(q: Optional[GranularFp8]) -> tuple:
     return (None, 0) if q is None else (q.kind, q.block)
 
 
+def carrier_operand(weight: Fp8WeightTensor) -> GranularFp8:
+    """A block-scaled FP8 weight (e.g. FSDP2's block-scaled all-gather) as the fprop operand:
+    its bytes and block scales, no cast (``W^T`` for dgrad is ``.t()`` of it)."""
+    n, k = weight.fp8_data.shape
+    b = weight.block
+    inv = weight.inv_scale[:-(-n // b), :-(-k // b)]
+    return GranularFp8(weight.fp8_data.contiguous(), inv.contiguous(), "block", b)
+
+
+def carrier_mismatch(weight: Fp8WeightTensor, cfg: Fp8Config) -> Optional[str]:
+    """Why an FP8 weight carrier cannot be ``cfg``'s weight operand as is (None: it can)."""
+    if cfg.recipe != "blockwise" or not weight.block:
+        return (f"an FP8 weight with {'block' if weight.block else 'one'} scale(s) is not the "
+                f"{cfg.recipe} recipe's weight operand")
+    if weight.block != cfg.block_size or weight.fp8_data.dtype != cfg.fwd_dtype:
+        return (f"its {weight.block}x{weight.block} {weight.fp8_data.dtype} blocks are not the "
+                f"layer's {cfg.block_size}x{cfg.block_size} {cfg.fwd_dtype}")
+    return None
+
+
 def weight_operands(weight: torch.Tensor, cfg: Fp8Config,
                     groups: Optional[RowGroups] = None) -> tuple[GranularFp8, GranularFp8]:
     """Both FP8 operands of ``weight`` (fprop's and dgrad's), as the GEMMs would make them.
@@ -96,6 +117,9 @@ class GranularLinearFunction(torch.autograd.Function):
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
         if weight_q is not None:  # made by weight_operands: the same bytes
             wq, wq_t = weight_q[0], weight_q[1] if keep_wt else None
+        elif isinstance(weight, Fp8WeightTensor):  # already blockwise FP8: no cast
+            wq = carrier_operand(weight)
+            wq_t = wq.t() if keep_wt else None
         else:
             wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
                                  cols=keep_wt, backend=backend, rows_group=g.w,
@@ -131,6 +155,8 @@ class GranularLinearFunction(torch.autograd.Function):
         if ctx.need_dgrad:
             if ctx.weight_t is not None:
                 wq_t = ctx.weight_t
+            elif ctx.recast and isinstance(w_param, Fp8WeightTensor):  # its own bytes again
+                wq_t = carrier_operand(w_param).t()
             elif ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
                 _, wq_t = _quantize(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
                                     cols=True, backend=backend, cols_group=g.wt)
@@ -164,6 +190,8 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     Args:
         x2d: input ``[M, K]`` (flatten leading dims first).
         weight: ``[N, K]``; may be frozen (``requires_grad=False``: no wgrad, no x^T cast).
+            A block-scaled :class:`~fp8boost.fp8.prequantized.Fp8WeightTensor` of the
+            blockwise recipe's format is used as is (its bytes and scales, no cast).
         bias: ``[N]`` or None; added and differentiated in high precision.
         config: an :class:`~fp8boost.fp8.config.Fp8Config` with a granular recipe
             (``fp8_format``, ``power_of_2_scale``, ``margin``, ``block_size``,
@@ -196,6 +224,9 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise ValueError(f"granular_linear needs x2d [M, K] and weight [N, K], got "
                          f"{tuple(x2d.shape)} and {tuple(weight.shape)}; flatten leading dims "
                          "of x with x.reshape(-1, x.shape[-1])")
+    if isinstance(weight, Fp8WeightTensor) and carrier_mismatch(weight, config):
+        raise ValueError(f"granular_linear: {carrier_mismatch(weight, config)}; dequantize it "
+                         "first (weight.dequantize())")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if groups is not None and any(g is not None for g in groups) and config.recipe != "rowwise":

@@ -8,7 +8,7 @@ needed):
   a scale shared by the shard group (all-reduce(MAX) of the shard amaxes, or a scale
   precomputed for all weights at once by :func:`precompute_fp8_all_gather_scales`) and hands
   FSDP the bytes as ``uint8`` (NCCL and gloo reject float8). ``fsdp_post_all_gather`` then
-  takes one of two paths, fixed per weight at its first all-gather (:class:`GatherPlan`):
+  takes one of three paths, fixed per weight at its first all-gather (:class:`GatherPlan`):
 
   - *direct* (the weight of a tensorwise-scaled ``Fp8Linear`` whose forward format is the
     comm config's ``param_dtype``): the gathered bytes and their scale become the unsharded
@@ -18,6 +18,10 @@ needed):
     follows the layer's rule (its ``margin`` and ``power_of_2_scale``), not the comm config's.
     Later all-gathers (``out=``) only rebind the scale: FSDP copies the bytes into the same
     buffer.
+  - *block* (the weight of a blockwise ``Fp8Linear`` whose even shards hold whole 128-row
+    blocks): each rank casts its shard per block, no shared scale, and FSDP gathers the bytes
+    with their block scales into a block-scaled ``Fp8WeightTensor`` that the layer's blockwise
+    GEMMs take as is (:mod:`.block_gather`).
   - *dequantize* (anything else: delayed scaling, a plain ``nn.Linear`` or other consumer, a
     ``param_dtype`` that is not the GEMM's format, tied weights, tensor-parallel DTensors;
     logged once per reason): decode into a plain parameter in ``param_dtype``.
@@ -66,6 +70,7 @@ from ..comm.config import Fp8CommConfig
 from ..comm._utils import resolve_cast_impl
 from ..comm.collectives import reduce_scatter_tensor_fp8
 from ..comm.wire import cast_rows_into, decode_rows_into
+from .block_gather import post_all_gather_blocks, pre_all_gather_blocks
 from .gather_plan import GatherPlan, choose_plan, log_plan, post_all_gather_direct
 
 __all__ = ["Fp8AllGatherWeight", "GatherPlan", "Fp8ReduceScatter", "enable_fp8_all_gather",
@@ -169,9 +174,12 @@ class Fp8AllGatherWeight(torch.Tensor):
         owner = _owner(self, module)
         plan = owner._plan
         if plan is None:  # decided once per weight, so every gather takes the same path
-            plan = owner._plan = choose_plan(owner._config, owner._tied, module, outer_size)
+            plan = owner._plan = choose_plan(owner._config, owner._tied, module, outer_size, ws)
             log_plan(plan)
         rows = -(-outer_size[0] // ws)  # FSDP pads every shard to ceil(dim0 / world) rows
+        if plan.block:  # blockwise: bytes + block scales, cast per shard, nothing shared
+            return pre_all_gather_blocks(local, rows, plan.fp8_dtype, plan.block, plan.margin,
+                                         plan.power_of_2), (None, plan)
         data = torch.zeros((rows, *local.shape[1:]), dtype=torch.uint8, device=local.device)
         # the owner lives on the CPU under FSDP's CPU offload, the shard copy on the device
         scale = self._shared_scale(owner, plan, mesh).to(local.device)
@@ -185,8 +193,11 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """Wrap (direct plan) or dequantize the gathered FP8 bytes as the unsharded parameter."""
-        (data,) = all_gather_outputs
         inv, plan = metadata
+        if plan.block:
+            return post_all_gather_blocks(all_gather_outputs, plan.fp8_dtype, plan.block,
+                                          param_dtype, out)
+        (data,) = all_gather_outputs
         if inv.is_cuda:  # made on FSDP's copy-in stream, read on this one: no early reuse
             inv.record_stream(torch.cuda.current_stream(inv.device))
         if plan.direct:
@@ -351,6 +362,8 @@ def precompute_fp8_all_gather_scales(model: nn.Module) -> int:
             # The plan fixed by the first all-gather, else a provisional one (kept with the
             # scale: the hook uses the scale only if its plan turns out the same).
             plan = local._plan or choose_plan(local._config, local._tied, mod, None)
+            if plan.block:  # block scales are cast per shard: nothing to agree on
+                continue
             by_mesh.setdefault(getattr(p, "device_mesh", None), []).append((local, plan))
     for mesh, weights in by_mesh.items():
         amaxes = torch.stack([amax(w._tensor) for w, _ in weights])

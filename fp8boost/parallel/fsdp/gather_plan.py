@@ -18,6 +18,7 @@ from fp8boost.fp8.prequantized import Fp8WeightTensor
 from fp8boost.fp8.scaling import scale_from_amax
 
 from ..comm.config import Fp8CommConfig
+from .block_gather import block_gather_unfit
 
 logger = logging.getLogger("fp8boost.parallel.fsdp")
 
@@ -30,7 +31,9 @@ class GatherPlan:
     GEMM operand of the owning ``Fp8Linear``, so the scale follows that layer's rule (its
     margin and power-of-two setting) and the bytes equal the cast it would have made itself.
     Otherwise the bytes are decoded into a plain ``param_dtype`` parameter and the scale follows
-    the comm config; ``reason`` says why.
+    the comm config; ``reason`` says why. ``block`` > 0 (direct only): the weight of a blockwise
+    layer, cast per ``block`` x ``block`` block on each rank, no shared scale
+    (:mod:`.block_gather`).
     """
 
     direct: bool
@@ -38,6 +41,7 @@ class GatherPlan:
     margin: int
     power_of_2: bool
     reason: str = ""
+    block: int = 0
 
     def scale(self, a: torch.Tensor) -> torch.Tensor:
         """FP32 scale from the weight's (global) amax."""
@@ -45,16 +49,25 @@ class GatherPlan:
 
 
 def choose_plan(config: Fp8CommConfig, tied: bool, module: Optional[nn.Module],
-                outer_size: Optional[torch.Size]) -> GatherPlan:
-    """Direct for a tensorwise Fp8Linear's own 2-D weight, dequantize (with a reason) else.
+                outer_size: Optional[torch.Size], shard_ranks: Optional[int] = None
+                ) -> GatherPlan:
+    """Direct for a tensorwise Fp8Linear's own 2-D weight (or a blockwise one whose shards hold
+    whole blocks), dequantize (with a reason) else.
 
     ``outer_size`` (the unsharded local size FSDP gathers) differs from the sharded parameter's
     global shape under tensor parallelism, where the unsharded parameter is a DTensor that
     Fp8Linear does not unwrap; ``None`` skips that check (provisional plans of precompute).
+    ``shard_ranks``: the ranks FSDP shards over (blockwise: whole blocks per shard).
     """
     cfg, fp8cfg = config, getattr(module, "fp8_config", None)
+    block_why = block_gather_unfit(module, shard_ranks, cfg.param_dtype, tied, outer_size)
+    if block_why is None:
+        return GatherPlan(True, fp8cfg.fwd_dtype, fp8cfg.margin, fp8cfg.power_of_2_scale,
+                          block=fp8cfg.block_size)
     if not is_fp8_layer(module):
         why = f"its consumer is a {type(module).__name__}, not an Fp8Linear"
+    elif fp8cfg.recipe == "blockwise":
+        why = f"a block-scaled FP8 gather does not fit: {block_why}"
     elif fp8cfg.recipe != "tensorwise":
         why = (f"Fp8Linear recipe {fp8cfg.recipe!r} derives the weight scale from its own amax "
                "history; the direct path is for tensorwise scaling")
@@ -73,7 +86,12 @@ def choose_plan(config: Fp8CommConfig, tied: bool, module: Optional[nn.Module],
 
 def log_plan(plan: GatherPlan) -> None:
     """Log once which path weights take (the dequantize path once per reason)."""
-    if plan.direct:
+    if plan.block:
+        _state.log_once(logger, "fsdp-fp8-ag-block",
+                        "fp8boost: FSDP FP8 all-gather sends blockwise weights as FP8 bytes with "
+                        "their block scales, cast per shard, straight into the blockwise GEMMs",
+                        level=logging.INFO)
+    elif plan.direct:
         _state.log_once(logger, "fsdp-fp8-ag-direct",
                         "fp8boost: FSDP FP8 all-gather feeds Fp8Linear's FP8 GEMM directly "
                         "(no dequantize / re-quantize of the weight)", level=logging.INFO)
