@@ -45,8 +45,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--sp", action="store_true",
                        help="--plugin hybrid: sequence parallelism (norms/dropout split over tp)")
     group.add_argument("--zero", type=int, default=1, choices=(0, 1, 2),
-                       help="--plugin hybrid: ZeRO stage over the data-parallel ranks (<= 1 "
-                            "with --pp > 1)")
+                       help="--plugin hybrid|moe: ZeRO stage over the data-parallel ranks (<= 1 "
+                            "with --pp > 1; moe: over the ranks holding the same experts)")
     group.add_argument("--pp", type=int, default=1,
                        help="--plugin hybrid: pipeline-parallel size (training through "
                             "booster.execute_pipeline)")
@@ -91,7 +91,10 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
 
 
 def describe(args: argparse.Namespace) -> str:
-    """``hybrid(tp=2,pp=2,1f1b,microbatches=2)`` for the start-up line."""
+    """``hybrid(tp=2,pp=2,1f1b,microbatches=2)`` / ``moe(ep=2,zero=1)`` for the start-up
+    line."""
+    if args.plugin == "moe":
+        return f"moe(ep={args.ep},zero={args.zero})"
     if args.plugin != "hybrid":
         return args.plugin
     pp = f",pp={args.pp},{args.pp_style},microbatches={args.microbatches}" if args.pp > 1 else ""
@@ -114,7 +117,8 @@ def validate_hybrid_args(args: argparse.Namespace, world_size: int) -> None:
     divide the batch. ValueError naming the fix, before any work or collective."""
     if args.plugin != "hybrid":
         given = [flag for flag, on in (("--tp", args.tp != 1), ("--sp", args.sp),
-                                       ("--zero", args.zero != 1), ("--pp", args.pp != 1),
+                                       ("--zero", args.zero != 1 and args.plugin != "moe"),
+                                       ("--pp", args.pp != 1),
                                        ("--pp-style", args.pp_style != "1f1b"),
                                        ("--microbatches", args.microbatches is not None)) if on]
         if given:

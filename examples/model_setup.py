@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+import moe
 import presets
 
 # --model: HF families built from a size preset (random init); --model-path takes any causal LM.
-MODEL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2") + moe.MOE_FAMILIES
 
 
 def check_model_folder(path: str) -> Path:
@@ -56,7 +57,7 @@ def family_config(family: str, preset: str, vocab_size: int, max_pos: int):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    size = presets.PRESETS[preset]
+    size = {**presets.PRESETS[preset], **moe.moe_fields(family, preset)}  # MoE: + experts
     defaults = CONFIG_MAPPING[family]()
     # Family defaults (e.g. GPT-2's token id 50256) can point past a small tokenizer's vocabulary.
     ids = {key: None for key in ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -31,6 +31,7 @@ def write_run_config(out_dir: Path, args: argparse.Namespace, world_size: int,
                 torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), command=" ".join(sys.argv),
                 n_params=run.n_params, flops_per_token=run.flops_per_token,
+                fp8_coverage=getattr(run, "fp8_coverage", None),
                 date=datetime.datetime.now().isoformat(timespec="seconds"))
     try:
         import triton

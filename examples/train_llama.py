@@ -13,6 +13,9 @@ on a 2-core CPU in about a minute::
     # tensor x pipeline parallel (4 ranks, one replica): steps through booster.execute_pipeline
     torchrun --nproc_per_node=4 examples/train_llama.py --plugin hybrid --tp 2 --pp 2 \
         --use-fp8 --fp8-comm
+    # mixture of experts (mixtral, qwen3_moe): experts split over --ep ranks, FP8 dispatch
+    torchrun --nproc_per_node=2 examples/train_llama.py --model mixtral --plugin moe --ep 2 \
+        --use-fp8 --fp8-comm
     torchrun --nproc_per_node=8 examples/train_llama.py --preset 7b-8l --plugin zero2 \\
         --use-fp8 --data ../shared/data/shakespeare.txt --save-every 200 --save-dir ckpt
     # continue from ckpt/latest (any world size; same preset, batches are a function of step)
@@ -29,7 +32,8 @@ Writes ``<out-dir>/metrics.jsonl`` (one record per step, plus eval records), ``s
 ``TorchDDPPlugin`` / ``LowLevelZeroPlugin(stage=1|2)`` / ``GeminiPlugin`` (ZeRO-3 on FSDP2) /
 ``TorchFSDPPlugin``; ``hybrid`` uses ``HybridParallelPlugin`` (``--tp``, ``--sp``,
 ``--zero``, and pipeline parallelism with ``--pp``, ``--pp-style``, ``--microbatches``: see
-``hybrid.py``). ``--compile`` compiles each decoder block in place;
+``hybrid.py``); ``moe`` uses ``MoeHybridParallelPlugin`` (``--ep``, ``--zero``; MoE families
+and their presets: ``moe.py``). ``--compile`` compiles each decoder block in place;
 ``--activation-checkpointing`` recomputes each block in backward; both work with every plugin.
 With ``gemini`` or ``fsdp``, ``--model-path`` builds the model on the meta device and each rank
 reads only its shards of the checkpoint (no full copy per rank). Model building is in
@@ -64,6 +68,7 @@ import data as data_lib  # noqa: E402
 import faults  # noqa: E402
 import hybrid  # noqa: E402
 import metrics as metrics_lib  # noqa: E402
+import moe  # noqa: E402
 import presets  # noqa: E402
 # Model building and run logging live beside this file; their names are re-exported here.
 from model_setup import (MODEL_FAMILIES, build_model, check_model_folder,  # noqa: E402,F401
@@ -71,7 +76,7 @@ from model_setup import (MODEL_FAMILIES, build_model, check_model_folder,  # noq
                          prepare_model)
 from run_log import RunLogger, announce, finish, summarize, write_run_config  # noqa: E402,F401
 
-PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid")
+PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid", "moe")
 # Warnings every rank would print identically: rank 0 alone says them.
 RANK0_WARNINGS = (r"fp8boost: FP8 tensor cores unavailable", r"fp8boost: no linear layer",
                   r"fp8boost: use_fp8=True but no linear layer")
@@ -163,7 +168,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--plugin", default="none", choices=PLUGINS,
                    help="none: one process, Booster(mixed_precision=...); ddp: TorchDDPPlugin; "
                         "zero1/zero2: LowLevelZeroPlugin; gemini: ZeRO-3 on FSDP2; fsdp: "
-                        "TorchFSDPPlugin; hybrid: HybridParallelPlugin (--tp, --sp, --pp)")
+                        "TorchFSDPPlugin; hybrid: HybridParallelPlugin (--tp, --sp, --pp); "
+                        "moe: MoeHybridParallelPlugin (--ep, --zero)")
     g.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="training dtype; bf16 and fp16 keep FP32 master weights (fp16 adds "
                         "loss scaling); --use-fp8 adds FP8 GEMMs on top of bf16")
@@ -179,6 +185,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda:LOCAL_RANK when a GPU is visible, else cpu")
     hybrid.add_arguments(g)  # --tp --sp --zero --pp --pp-style --microbatches
+    moe.add_arguments(g)  # --ep
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder block (its first steps pay the compile)")
     g.add_argument("--compile-backend", default="inductor",
@@ -288,6 +295,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--fp8-comm needs a distributed plugin: add --plugin "
                          "ddp|zero1|zero2|gemini|fsdp|hybrid")
     hybrid.validate_hybrid_args(args, world_size)
+    moe.validate_moe_args(args, world_size)
     if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":
         raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
@@ -409,6 +417,8 @@ def make_plugin(args: argparse.Namespace, fp8_config):
 
     if args.plugin == "hybrid":
         return hybrid.make_plugin(args, fp8_config)
+    if args.plugin == "moe":
+        return moe.make_plugin(args, fp8_config)
     if args.plugin == "gemini":
         plugin = GeminiPlugin(precision=args.precision, use_fp8=args.use_fp8,
                               fp8_communication=args.fp8_comm, fp8_config=fp8_config,
@@ -543,6 +553,7 @@ class Run:
     flops_per_token: int
     vocab_size: int = 0  # the model's: every token id must be below it
     data_rank: int = 0  # batches are drawn by it (hybrid: the replica, see hybrid.data_rank)
+    fp8_coverage: Optional[dict] = None  # moe.fp8_coverage of the boosted model
 
 
 def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
@@ -563,7 +574,8 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
         data_lib.check_token_range(val_windows.tokens, vocab_size, source)
     # Count before boosting: plugins may wrap the model or flatten its parameters.
     n_params = sum(p.numel() for p in model.parameters())
-    fpt = metrics_lib.flops_per_token(metrics_lib.matmul_params(model),
+    fpt = metrics_lib.flops_per_token(metrics_lib.matmul_params(model)
+                                      - moe.inactive_expert_params(model),
                                       model.config.num_hidden_layers, model.config.hidden_size,
                                       args.seq_len)
     torch.manual_seed(args.seed + rank)  # per-rank stream for anything stochastic later
@@ -578,7 +590,7 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
         booster.load_model(model, args.model_path)
     index = hybrid.data_rank(args, rank, int(os.environ.get("WORLD_SIZE", "1")))
     return Run(booster, model, optimizer, lr_scheduler, train_windows, val_windows,
-               resume_state, n_params, fpt, vocab_size, index)
+               resume_state, n_params, fpt, vocab_size, index, moe.fp8_coverage(model))
 
 
 def resume_candidates(args: argparse.Namespace) -> list[Path]:
@@ -674,6 +686,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
               f"precision={args.precision} fp8={args.use_fp8} fp8_comm={args.fp8_comm} "
               f"world_size={world_size} device={device} start_step={start_step} "
               f"out_dir={out_dir}", flush=True)
+        if args.use_fp8:
+            print(f"[train] {moe.describe_coverage(run.fp8_coverage)}", flush=True)
     logger = RunLogger(out_dir, args, start_step, rank == 0, run.flops_per_token, world_size)
     guard = getattr(run.optimizer, "nonfinite_guard", None)
     if guard is not None:

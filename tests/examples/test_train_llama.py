@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -127,6 +128,56 @@ def test_torchrun_zero2_fp8_fp8comm_two_ranks_trains_and_resumes_exactly(tmp_pat
     assert {s: losses_a[s] for s in losses_b} == losses_b
 
 
+def test_torchrun_mixtral_ep2_fp8_trains_and_resumes_exactly(tmp_path):
+    """--model mixtral --plugin moe --ep 2: experts split over 2 ranks, FP8 GEMMs (emulated)
+    and FP8 dispatch; the run reports its FP8 layers and resumes bit-exactly."""
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", str(SCRIPT), *FAST, "--steps", "16", "--model", "mixtral",
+                "--plugin", "moe", "--ep", "2", "--use-fp8", "--fp8-comm"]
+    out = _run(torchrun + ["--out-dir", str(run_a), "--save-every", "8"], threads=1)
+    assert "plugin=moe(ep=2,zero=1)" in out
+    # tiny: 4 layers; q/k/v/o per layer FP8, lm_head high precision; 2 of 4 experts per rank
+    assert ("FP8 GEMMs: 16/17 linear layers, 4/4 expert layers (8 FP8 grouped GEMMs per "
+            "forward, each over 2 of 4 experts on this rank)") in out
+    losses_a = _losses(run_a)
+    assert sorted(losses_a) == list(range(1, 17))
+    assert all(math.isfinite(v) for v in losses_a.values())
+    _assert_loss_falls(losses_a)
+    config = json.loads((run_a / "run_config.json").read_text())
+    assert config["ep"] == 2 and config["fp8_coverage"]["experts_fp8"] == 4
+    ckpt = run_a / "checkpoints" / "step_00000008"
+    subdirs = sorted(p.name for p in (ckpt / "optimizer").iterdir() if p.is_dir())
+    assert subdirs == ["ep00000-of-00002", "ep00001-of-00002"]  # one optimizer per ep rank
+    _run(torchrun + ["--out-dir", str(run_b), "--resume", str(ckpt)], threads=1)
+    losses_b = _losses(run_b)
+    assert sorted(losses_b) == list(range(9, 17))
+    assert {s: losses_a[s] for s in losses_b} == losses_b
+
+
+def test_moe_families_at_preset_sizes(ex):
+    """Every preset builds both MoE families with FP8-eligible expert shapes; experts
+    divide a power-of-two --ep; FLOPs count the active experts only."""
+    import moe
+    import model_setup
+    for preset in ex.presets.PRESETS:
+        for family in moe.MOE_FAMILIES:
+            cfg = model_setup.family_config(family, preset, 256, 128)
+            fields = moe.moe_fields(family, preset)
+            experts = fields.get("num_local_experts", fields.get("num_experts"))
+            ffn = fields.get("moe_intermediate_size", fields.get("intermediate_size"))
+            assert experts % 4 == 0 and ffn % 16 == 0, (family, preset)
+            assert cfg.hidden_size == ex.presets.PRESETS[preset]["hidden_size"]
+            assert cfg.num_experts_per_tok < experts
+    model = ex.train.build_model(ex.train.parse_args(["--model", "qwen3_moe"]), 256, 128,
+                                 torch.device("cpu"))
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    fused = sum(p.numel() for p in model.parameters() if p.dim() == 3)
+    assert fused and moe.inactive_expert_params(model) == fused * (16 - 8) // 16
+    cov = moe.fp8_coverage(model)  # before any conversion: nothing FP8, every layer counted
+    assert cov["linear_fp8"] == cov["experts_fp8"] == 0 and cov["experts_total"] == 4
+
+
 # --------------------------------------------------------------------------- pieces
 
 
@@ -231,6 +282,16 @@ def test_cosine_schedule_with_warmup(ex):
     (["--plugin", "hybrid", "--pp", "4", "--microbatches", "2", "--preset", "small"],
      "--pp-style 1f1b needs --microbatches >= --pp"),
     (["--plugin", "hybrid", "--pp", "2", "--batch-size", "3"], "no micro-batch count divides"),
+    # mixture of experts (--plugin moe, --ep)
+    (["--plugin", "zero2", "--ep", "2", "world=2"], "--ep configures --plugin moe"),
+    (["--plugin", "moe", "--ep", "2", "world=2"], "--model llama is dense"),
+    (["--plugin", "moe", "--model", "mixtral", "--ep", "2", "world=3"],
+     "--ep 2 must divide the number of ranks"),
+    (["--plugin", "moe", "--model", "mixtral", "--ep", "8", "world=8"],
+     "must divide the model's 4 experts"),
+    (["--plugin", "moe", "--model", "mixtral", "--ep", "0"], "--ep must be >= 1"),
+    (["--plugin", "moe", "--model", "mixtral", "--tp", "2", "world=2"],
+     "--tp configure --plugin hybrid"),
 ])
 def test_bad_arguments_raise_before_any_work(ex, argv, match):
     world = 4 if "hybrid" in argv else 1  # "world=N" in a case: N ranks

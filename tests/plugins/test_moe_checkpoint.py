@@ -72,7 +72,8 @@ def _save(booster, model, opt, sched, root: str, whole: bool) -> None:
 
 def _load(booster, model, opt, sched, root: str, whole: bool) -> None:
     if whole:
-        assert booster.load_checkpoint(os.path.join(root, "state"), model, opt, sched) == {"step": K}
+        extra = booster.load_checkpoint(os.path.join(root, "state"), model, opt, sched)
+        assert extra == {"step": K}
     else:
         booster.load_model(model, os.path.join(root, "model"))
         booster.load_optimizer(opt, os.path.join(root, "optim"))
