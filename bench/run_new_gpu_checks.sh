@@ -4,6 +4,8 @@
 #      (torch._scaled_grouped_mm vs emulated), the block export loaded by transformers on CUDA;
 #   2. bench/moe_gemm.py --quick (FP8 vs BF16 grouped GEMMs at Qwen3-30B-A3B / Mixtral shapes);
 #   3. the one-GPU training table of the new recipes at SHAPE (run with carry=[".whl"]).
+#   The transformers-FP8 export test needs .hubkernels/ (bench/hub_kernel_offline.sh, run here
+#   first; carry=[".whl", ".hubkernels"]), else it skips: the hub is unreachable there.
 #   TAG=h100 bash bench/run_new_gpu_checks.sh [tests|moe|table|all]
 set -u
 export PYTHONUNBUFFERED=1
@@ -16,6 +18,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     2>&1 | grep -v DEBUG > "$OUT/new_gpu_tests_$TAG.log"
   echo "[tests] rc=$? $(tail -1 "$OUT/new_gpu_tests_$TAG.log")"
   grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/new_gpu_tests_$TAG.log" | cut -c1-200
+  grep -o 'HF_FP8 {.*}' "$OUT/new_gpu_tests_$TAG.log"  # transformers' FP8 forward: both losses
 fi
 if [ "$what" = all ] || [ "$what" = moe ]; then
   OUT=$OUT timeout ${MOE_TIMEOUT:-150} python3 bench/moe_gemm.py --quick 2>&1 | tail -12
