@@ -18,7 +18,7 @@ from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
 
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
-from .granular_comm import is_granular, report_granular_gather
+from .granular_comm import block_gathered, is_granular, report_granular_gather
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
 from .wrappers import DTYPES, cast_params_
@@ -112,12 +112,16 @@ class FsdpPluginBase(Plugin):
         from fp8boost.parallel.comm.config import Fp8CommConfig
         from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather
 
-        # rowwise/blockwise layers: their weights stay in the training dtype (granular_comm.py)
-        names = enable_fp8_all_gather(model, self.comm_config or Fp8CommConfig(),
-                                      lambda mod, fqn: is_fp8_layer(mod) and not is_granular(mod))
+        # rowwise/blockwise layers: training dtype, except blockwise weights whose even shards
+        # hold whole blocks, gathered with their block scales (granular_comm.py)
+        ranks = self.topology().submesh("dp").size()
+        names = enable_fp8_all_gather(
+            model, self.comm_config or Fp8CommConfig(),
+            lambda mod, fqn: is_fp8_layer(mod) and (not is_granular(mod)
+                                                    or block_gathered(mod, ranks)))
         report.fp8_all_gather_modules = names
         report.fp8_param_all_gather = bool(names)
-        if not report_granular_gather(report, type(self).__name__, model) and not names:
+        if not report_granular_gather(report, type(self).__name__, model, ranks) and not names:
             why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
                    "weights whose consumer is an FP8 GEMM")
             report.not_fp8(PARAM_ALL_GATHER, why)
