@@ -12,8 +12,8 @@ Qwen3-30B-A3B routes to 8 of 128 small experts). Every expert FFN size is a mult
 ``--plugin moe --ep N`` trains with ``MoeHybridParallelPlugin``: each MoE layer's experts split
 over N ranks (tokens travel to them by all-to-all; ``--fp8-comm``: in e4m3 with a scale per
 row), data parallelism over the ``world / N`` ranks holding the same experts, with ZeRO stage
-``--zero`` over them. Every rank reads its own batches. Checkpoints resume at the same
-``--ep`` (any number of ranks that it divides).
+``--zero`` over them. Every rank reads its own batches. Checkpoints resume at any ``--ep``
+and number of ranks (bit-exactly with the saving layout).
 
 Example:
     >>> moe_fields("mixtral", "tiny")["num_local_experts"]

@@ -109,6 +109,7 @@ class FsdpPluginBase(Plugin):
             report.not_fp8(PARAM_ALL_GATHER, "fp8_communication=False")
             return report
         from fp8boost.fp8 import is_fp8_layer
+        from fp8boost.fp8.moe.comm import report_expert_gather
         from fp8boost.parallel.comm.config import Fp8CommConfig
         from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather
 
@@ -121,6 +122,7 @@ class FsdpPluginBase(Plugin):
                                                     or block_gathered(mod, ranks)))
         report.fp8_all_gather_modules = names
         report.fp8_param_all_gather = bool(names)
+        report_expert_gather(report, type(self).__name__, model)  # experts: training dtype
         if not report_granular_gather(report, type(self).__name__, model, ranks) and not names:
             why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
                    "weights whose consumer is an FP8 GEMM")

@@ -263,11 +263,29 @@ class HybridParallelPlugin(Plugin):
         self._plan = resolve_plan(model, self.custom_policy) if self.tp_size > 1 else None
         if self._plan is not None:
             check_plan(model, self._plan, self.tp_size)  # before any collective
+            self._check_moe_sequence_parallel(model)
         validate_ulysses(self, model)
         self._layout = pipeline_layout(model, self.pp_size, self.pipeline) \
             if self.pipeline else None
         self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
                                               self._layout)  # before any collective
+
+    def _check_moe_sequence_parallel(self, model: nn.Module) -> None:
+        """Refuse split-gather SP on an MoE model that adds the router aux loss (no collective).
+
+        Each tp rank's router sees its sequence shard, so its aux loss is the model's loss of
+        that shard, and the replicated router's gradients are *summed* over tp (as for norms):
+        the aux term would weigh tp_size times what the model defines.
+        """
+        from fp8boost.fp8.moe.detect import router_aux_loss_on
+
+        if self.sequence_parallelism_mode == "split_gather" and router_aux_loss_on(model):
+            raise ValueError(
+                f"{type(model).__name__} adds its router load-balancing loss "
+                "(config.output_router_logits=True), which sequence parallelism over tp would "
+                f"count tp_size={self.tp_size} times (each rank's aux loss covers its sequence "
+                "shard and the replicated router's gradients are summed over tp); set "
+                "model.config.output_router_logits=False or enable_sequence_parallelism=False")
 
     def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
         """Keep this rank's pipeline stages (dropping the others' parameters from
@@ -325,7 +343,9 @@ class HybridParallelPlugin(Plugin):
         opt.bind_fp8_layers(model)
         self.comm_report = opt.comm_report
         if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
+            from fp8boost.fp8.moe.comm import report_expert_gather
             report_granular_gather(self.comm_report, "HybridParallelPlugin", model)
+            report_expert_gather(self.comm_report, "HybridParallelPlugin", model)
         return opt
 
     def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:

@@ -132,7 +132,9 @@ class LowLevelZeroPlugin(Plugin):
             fp8_reduce_scatter=self.fp8_reduce_scatter)
         self.comm_report = opt.comm_report
         if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
+            from fp8boost.fp8.moe.comm import report_expert_gather
             report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model)
+            report_expert_gather(self.comm_report, "LowLevelZeroPlugin", model)
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         return opt
 

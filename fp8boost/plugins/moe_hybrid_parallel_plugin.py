@@ -103,10 +103,11 @@ class MoeHybridParallelPlugin(Plugin):
     layout with every expert (all-gathered over the ep group per parameter); ``load_model``
     reads such a file (or ``save_pretrained``'s) at any ep size. ``save_optimizer`` writes one
     re-shardable optimizer directory per ep rank (atomically, with checksums);
-    ``load_optimizer`` restores it bit-exactly at the same ``ep_size`` and any dp size or
-    ZeRO stage, and refuses another ``ep_size`` (ValueError naming both layouts, before any
-    collective). ``save_checkpoint``/``load_checkpoint`` (model, optimizer, LR scheduler,
-    ``extra``) and ``save_lr_scheduler`` work as for the other plugins.
+    ``load_optimizer`` restores it exactly (master weights, moments, loss scaler) at any ep
+    size, dp size and ZeRO stage: each rank reads only the ranges of its own shards, an
+    expert's from the saved ep ranks that held it. ``save_checkpoint``/``load_checkpoint``
+    (model, optimizer, LR scheduler, ``extra``) and ``save_lr_scheduler`` work as for the
+    other plugins.
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
@@ -251,6 +252,10 @@ class MoeHybridParallelPlugin(Plugin):
         return block()
 
     # ------------------------------------------------------------------ checkpoints
+    def is_expert_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` holds this rank's share of some MoE layer's experts."""
+        return id(param) in self._expert_ids
+
     def exact_weights(self, model: nn.Module) -> dict[int, torch.Tensor]:
         """Every expert Parameter whole (all-gathered over the ep group): collective."""
         out = super().exact_weights(model)

@@ -126,3 +126,23 @@ def find_expert_spec(module: nn.Module) -> Union[ExpertSpec, str, None]:
         return (f"module.num_experts={n} but its Parameters hold {found.num_experts} experts "
                 "(expert-parallel shard?): kept in high precision")
     return found
+
+
+def router_aux_loss_on(model: nn.Module) -> bool:
+    """Whether ``model`` is an MoE model whose forward adds the router's load-balancing loss.
+
+    HF MoE causal LMs add ``router_aux_loss_coef * aux_loss`` to ``loss`` when
+    ``config.output_router_logits`` is True. That loss is a product of means over *all* the
+    model's router logits (every layer, every token of the forward), so it is not a sum of
+    per-layer or per-shard terms: parallel schemes that split layers (pipeline) or tokens
+    whose gradients are summed (tensor-parallel sequence parallelism) change it.
+
+    Example:
+        >>> import torch
+        >>> router_aux_loss_on(torch.nn.Linear(2, 2))
+        False
+    """
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "output_router_logits", False) is not True:
+        return False
+    return any(find_expert_spec(m) is not None for m in model.modules())

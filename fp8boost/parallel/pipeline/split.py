@@ -43,7 +43,8 @@ __all__ = ["CausalLMOutputs", "DecoderStage", "TiedWeight", "check_pipeline_mode
 
 
 def check_pipeline_model(model: nn.Module) -> int:
-    """Raise ``ValueError`` unless ``model`` has the HF decoder structure; returns its layer count."""
+    """Raise ``ValueError`` unless ``model`` has the HF decoder structure (and, for an MoE
+    model, adds no router aux loss: :func:`_check_router_aux_loss`); returns its layer count."""
     base = getattr(model, "model", None)
     missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb")
                if not isinstance(getattr(base, n, None), nn.Module)]
@@ -54,7 +55,26 @@ def check_pipeline_model(model: nn.Module) -> int:
             f"pipeline parallelism splits HF decoder causal LMs structured like Llama, Mistral "
             f"and Qwen2 (model.model.embed_tokens/layers/norm/rotary_emb and model.lm_head); "
             f"{type(model).__name__} lacks {missing or ['a ModuleList at model.model.layers']}")
+    _check_router_aux_loss(model)
     return len(base.layers)
+
+
+def _check_router_aux_loss(model: nn.Module) -> None:
+    """Refuse an MoE model that adds its router aux loss: the last stage cannot compute it.
+
+    HF computes the load-balancing loss from the router logits of *every* decoder layer
+    (``outputs.router_logits``), a product of means that does not split into per-stage terms;
+    the last stage only sees the hidden states, so it would silently train without the term.
+    """
+    from fp8boost.fp8.moe.detect import router_aux_loss_on
+
+    if router_aux_loss_on(model):
+        raise ValueError(
+            f"{type(model).__name__} adds its router load-balancing loss "
+            "(config.output_router_logits=True), computed from the router logits of all decoder "
+            "layers at once; pipeline stages do not pass router logits on, so the last stage "
+            "would train without it. Set model.config.output_router_logits=False (and add a "
+            "per-stage balancing loss of your own if needed) or use pp_size=1")
 
 
 def tied_embedding(model: nn.Module) -> bool:

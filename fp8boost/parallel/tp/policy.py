@@ -6,6 +6,15 @@ from the module structure shared by Llama, Mistral, Qwen2 and their relatives (Q
 ``mlp.{gate,up,down}_proj`` linears; input embeddings and ``lm_head`` from the model's own
 ``get_input_embeddings`` / ``get_output_embeddings``. Anything else raises a ``ValueError``
 naming ``custom_policy``.
+
+Mixture-of-experts layers (Mixtral, Qwen2/3-MoE, DeepSeek-V3, OLMoE: ``mlp`` holds a router and
+a fused-expert module with 3-D ``gate_up_proj`` / ``down_proj`` Parameters instead of the three
+MLP linears) are planned with their attention split and their whole MoE block *replicated*: it
+runs on the full residual stream, identical on every tp rank (the router and the grouped FP8
+expert GEMMs are deterministic given the same input and weights), so its gradients need no tp
+reduction; under sequence parallelism it runs on each rank's sequence shard and, like the
+norms, its replicated gradients are summed over tp. Splitting the experts along their width is
+not implemented (``TpPlan.replicated_moe`` lists the blocks kept whole).
 """
 from __future__ import annotations
 
@@ -58,6 +67,9 @@ class TpPlan:
     head_counts: dict[str, int] = field(default_factory=dict)
     """Sizes tp must divide (attention heads, kv heads, FFN, vocab), for the error message."""
 
+    replicated_moe: list[str] = field(default_factory=list)
+    """Mixture-of-experts blocks (router + fused experts) kept whole on every tp rank."""
+
     split_sequence: bool = True
     """With sequence parallelism, split the sequence at the input of ``layers[0]``. False on
     later pipeline stages, whose input arrives from the previous stage already split."""
@@ -108,8 +120,12 @@ def _plain_decoder_plan(model: nn.Module) -> TpPlan:
     for i, layer in enumerate(layers.layers):
         lp = f"{prefix}layers.{i}"
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        for owner, oname, col, row in ((attn, "self_attn", ATTN_COLWISE, ATTN_ROWWISE),
-                                       (mlp, "mlp", MLP_COLWISE, MLP_ROWWISE)):
+        owners = [(attn, "self_attn", ATTN_COLWISE, ATTN_ROWWISE)]
+        if is_moe_block(mlp):  # replicated whole: see the module docstring
+            plan.replicated_moe.append(f"{lp}.mlp")
+        else:
+            owners.append((mlp, "mlp", MLP_COLWISE, MLP_ROWWISE))
+        for owner, oname, col, row in owners:
             missing = [n for n in col + row if not isinstance(
                 getattr(getattr(owner, n, None), "base_layer", getattr(owner, n, None)),
                 nn.Linear)]  # a LoRA wrapper's base_layer is the linear (lora_plan.py)
@@ -126,11 +142,31 @@ def _plain_decoder_plan(model: nn.Module) -> TpPlan:
     if isinstance(getattr(layers, "norm", None), nn.Module):
         plan.sequence_sharded.append(f"{prefix}norm")
     cfg = getattr(model, "config", None)
+    # intermediate_size is split only by dense MLPs (in MoE models it may be the expert width)
+    dense = len(plan.replicated_moe) < len(plan.layers)
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if key == "intermediate_size" and not dense:
+            continue
         value = getattr(cfg, key, None)
         if isinstance(value, int):
             plan.head_counts[key] = value
     return plan
+
+
+def is_moe_block(module: Optional[nn.Module]) -> bool:
+    """Whether ``module`` holds fused experts (3-D expert Parameters, HF or FP8-converted).
+
+    Example:
+        >>> is_moe_block(nn.Linear(2, 2)), is_moe_block(None)
+        (False, False)
+    """
+    from fp8boost.fp8.moe.detect import find_expert_spec
+
+    if module is None:
+        return False
+    # find_expert_spec: an ExpertSpec, or a reason for expert variants FP8 does not run; both
+    # are experts whose 3-D Parameters the plan cannot split.
+    return any(find_expert_spec(m) is not None for m in module.modules())
 
 
 def _unsupported(model: nn.Module, why: str) -> ValueError:

@@ -15,7 +15,8 @@
 ``single_file``  one-file model checkpoints (``Booster.save_model(..., shard=False)`` to a
              file name, as Colossal-AI writes them) through any plugin's own export and load;
 ``moe``      ``MoeCheckpointIO`` for ``MoeHybridParallelPlugin``: HF exports with every expert
-             (load at any ep size), optimizer state per ep rank in the re-shardable format;
+             (load at any ep size), optimizer state per ep rank in the re-shardable format
+             (loads at any ep and dp size);
 ``resume``   ``latest_checkpoint``: the newest complete checkpoint of a folder (auto-resume).
 ``hybrid``   ``HybridCheckpointIO`` for ``HybridParallelPlugin`` (tp-split plain tensors x
              ZeRO): HF export gathered over tp a parameter at a time, tp-sliced HF loads,

@@ -16,19 +16,27 @@ Optimizer directory (``save_optimizer``; also ``optimizer/`` inside ``save_check
 Each ep rank holds different experts, so each ep rank's moe-dp group writes its own
 sub-directory with the shared ``write_optimizer`` (ZeRO shards of the moe-dp group, its
 master weights, Adam moments, loss scaler); the replicated non-expert state is in every
-sub-directory (ep copies on disk: the price of reusing the format unchanged). Loading reads
-the sub-directory of this rank's ep rank with ``read_optimizer``, which re-shards it to any
-moe-dp size (so another dp size and another ZeRO stage load); another ep size is refused with
-a ``ValueError`` before any collective: a sub-directory's parameter ranges are of its own
-``E/ep`` experts, which the format cannot re-split. The whole directory is written atomically
-(``atomic_save_dir``): a failed save leaves the previous checkpoint at the path intact.
+sub-directory (ep copies on disk: the price of reusing the format unchanged). Loading at the
+saved ep size reads the sub-directory of this rank's ep rank with ``read_optimizer``, which
+re-shards it to any moe-dp size (so another dp size and another ZeRO stage load). At another
+ep size each rank reads, per parameter, only the ranges it now holds: a non-expert state from
+the first sub-directory, an expert state from the sub-directories of the saved ep ranks that
+held its experts (the flattened ``[E, ...]`` expert tensor is the saved ep ranks' flattened
+``[E/ep, ...]`` tensors one after the other, so a range of it maps onto their ranges). An
+optimizer directory of another plugin (DDP, ZeRO: every expert whole, as one ep rank) loads
+the same way. The
+whole directory is written atomically (``atomic_save_dir``): a failed save leaves the previous
+checkpoint at the path intact.
 """
 from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
+import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from fp8boost.plugins.moe_dispatch import EpExperts, whole_experts
@@ -37,9 +45,12 @@ from . import coordination as coord
 from .atomic import atomic_save_dir, require
 from .base import GeneralCheckpointIO
 from .checksums import verify_checksums
-from .formats import OPTIM_INDEX
+from .coordination import agreed_read
+from .formats import OPTIM_INDEX, OPTIM_REPLICATED
 from .model_io import read_model
-from .optimizer_io import check_optimizer, read_optimizer, write_optimizer
+from .optimizer_io import (ShardPieces, check_optimizer, read_index, read_optimizer,
+                           restore_types, write_optimizer)
+from .tensor_files import open_checked
 
 MOE_OPTIM_INDEX = "moe_optimizer.index.json"
 MOE_OPTIM_FORMAT = "fp8boost-moe-optimizer-v1"
@@ -110,38 +121,78 @@ class MoeCheckpointIO(GeneralCheckpointIO):
     def load_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
         path = os.fspath(path)
-        sub = self._check_saved_topology(path)  # every rank raises alike, before any collective
+        saved_ep = self._saved_ep_size(path)  # every rank raises alike, before any collective
         verify_checksums(path, self.group)
-        read_optimizer(optimizer, sub, self.group)
+        if saved_ep is None:  # another plugin's (DDP, ZeRO): every expert whole, as at ep 1
+            self._read_resplit(optimizer, [path], path)
+        elif saved_ep == self.plugin.ep_size:
+            ep_rank = dist.get_rank(self.plugin.ep_group)
+            read_optimizer(optimizer, os.path.join(path, ep_subdir(ep_rank, saved_ep)),
+                           self.group)
+        else:
+            self._read_resplit(optimizer, [os.path.join(path, ep_subdir(e, saved_ep))
+                                           for e in range(saved_ep)], path)
 
-    def _check_saved_topology(self, path: str) -> str:
-        """The sub-directory this rank reads, after checking the saved ep size (no collective).
+    def _saved_ep_size(self, path: str) -> Optional[int]:
+        """The ep size ``path`` was saved at; None for another plugin's optimizer directory
+        (file reads only, no collective).
 
         Raises:
-            FileNotFoundError: no MoE optimizer checkpoint at ``path``.
-            ValueError: another plugin's optimizer directory, or another ep size.
+            FileNotFoundError: no optimizer checkpoint at ``path``.
+            ValueError: an unknown MoE optimizer format.
         """
         if not os.path.exists(os.path.join(path, MOE_OPTIM_INDEX)) and os.path.exists(
                 os.path.join(path, OPTIM_INDEX)):
-            raise ValueError(f"{path} is an optimizer checkpoint of another plugin (no "
-                             f"{MOE_OPTIM_INDEX}; its state is not split by expert): "
-                             "MoeHybridParallelPlugin loads optimizer checkpoints it saved; "
-                             "load the model (booster.load_model) and start a fresh optimizer")
+            return None
         require(path, "MoE optimizer", MOE_OPTIM_INDEX)
         with open(os.path.join(path, MOE_OPTIM_INDEX)) as f:
             meta = json.load(f)
         if meta.get("format") != MOE_OPTIM_FORMAT:
             raise ValueError(f"{path} has MoE optimizer format {meta.get('format')!r}, expected "
                              f"{MOE_OPTIM_FORMAT!r}")
-        now = self._topology()
-        if meta["ep_size"] != now["ep_size"]:
-            def show(t: dict) -> str:
-                return (f"ep_size={t['ep_size']} x dp={t['dp_size']} (world {t['world_size']}, "
-                        f"zero_stage={t['zero_stage']})")
-            raise ValueError(
-                f"optimizer checkpoint {path} was saved at {show(meta)}; this run is "
-                f"{show(now)}. Expert optimizer state is stored per ep rank and loads only at "
-                f"the same ep_size (any dp size or ZeRO stage): resume with "
-                f"ep_size={meta['ep_size']}, or load the model alone (booster.load_model reads "
-                "any ep size) and start a fresh optimizer")
-        return os.path.join(path, ep_subdir(dist.get_rank(self.plugin.ep_group), now["ep_size"]))
+        return meta["ep_size"]
+
+    def _read_resplit(self, optimizer, subs: list[str], path: str) -> None:
+        """Load optimizer directories ``subs`` saved by ep ranks ``0..len(subs)-1`` of another
+        ep size: each rank reads the ranges of its own shards, an expert state's from the
+        saved ep ranks holding them (``path``: the checkpoint, for messages)."""
+        saved_ep = len(subs)
+        indexes = [read_index(d) for d in subs]
+        metas, layout = indexes[0]["params"], optimizer.checkpoint_layout()
+        expert = [self.plugin.is_expert_param(p) for p in optimizer.params]
+        ep, ep_rank = self.plugin.ep_size, dist.get_rank(self.plugin.ep_group)
+        want = [s.numel * ep // saved_ep if x else s.numel for s, x in zip(layout, expert)]
+        if len(metas) != len(layout) or any(m["numel"] != w for m, w in zip(metas, want)):
+            raise ValueError(f"optimizer checkpoint {path} (saved at ep_size={saved_ep}) holds "
+                             f"{len(metas)} parameters {[m['numel'] for m in metas][:8]}...; "
+                             f"this optimizer (ep_size={ep}) would have saved {len(want)} "
+                             f"{want[:8]}... there: same model and param groups needed")
+        readers = [ShardPieces(d, index) for d, index in zip(subs, indexes)]
+
+        def expert_range(i: int, key: str, start: int, end: int) -> torch.Tensor:
+            # This rank's local experts start at element ep_rank * (local numel) of the whole
+            # flattened [E, ...] tensor; saved ep rank e held [e * n, (e + 1) * n) of it.
+            n, lo = metas[i]["numel"], ep_rank * layout[i].numel
+            first, last = lo + start, lo + end
+            parts = []
+            for e in range(saved_ep):
+                a, b = max(first, e * n), min(last, (e + 1) * n)
+                if a < b:
+                    parts.append(readers[e].get(i, key, a - e * n, b - e * n))
+            return torch.cat(parts) if parts else torch.zeros(0)
+
+        sharded, replicated = {}, {}
+
+        def read() -> None:
+            rep_file = open_checked(os.path.join(subs[0], OPTIM_REPLICATED),
+                                    lambda p: safe_open(p, "pt"))
+            for i, (meta, s) in enumerate(zip(metas, layout)):
+                get = expert_range if expert[i] else readers[0].get
+                sharded[i] = {k: get(i, k, s.start, s.end) for k in meta["sharded"]}
+                replicated[i] = dict(meta["replicated_values"])
+                replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}")
+                                      for k in meta["replicated_tensors"]})
+
+        agreed_read(read, self.group, path)  # a bad file stops every rank, with its name
+        groups = restore_types(indexes[0]["param_groups"], optimizer.param_groups)
+        optimizer.load_checkpoint_state(sharded, replicated, groups, indexes[0].get("extra", {}))

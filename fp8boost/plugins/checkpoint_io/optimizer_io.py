@@ -89,50 +89,71 @@ def restore_types(saved_groups: list[dict], current_groups: list[dict]) -> list[
     return out
 
 
-def read_optimizer(optimizer, directory: str, group=None) -> None:
-    """Load optimizer state saved by any world size into this rank's layout.
+class ShardPieces:
+    """Reads ranges of the flattened full-size state from one optimizer directory, whatever
+    world size wrote it (each shard file opened once, on first use).
 
-    ``group``: the ranks loading together (a read error on one raises on all).
+    Args:
+        directory: an optimizer directory (``formats``).
+        index: its parsed ``optimizer.index.json``.
     """
-    require(directory, "optimizer", OPTIM_INDEX)
-    with open(os.path.join(directory, OPTIM_INDEX)) as f:
-        index = json.load(f)
-    if index.get("format") != OPTIM_FORMAT:
-        raise ValueError(f"{directory} has optimizer format {index.get('format')!r}, "
-                         f"expected {OPTIM_FORMAT!r}")
-    layout = optimizer.checkpoint_layout()
-    metas = index["params"]
-    if len(metas) != len(layout) or any(m["numel"] != s.numel for m, s in zip(metas, layout)):
-        raise ValueError(f"optimizer checkpoint {directory} holds {len(metas)} parameters "
-                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has {len(layout)} "
-                         f"{[s.numel for s in layout][:8]}...: same model and param groups needed")
-    saved_world = index["world_size"]
-    handles: dict[int, object] = {}
 
-    def piece(i: int, key: str, start: int, end: int) -> torch.Tensor:
-        numel = metas[i]["numel"]
-        c = -(-numel // saved_world)
+    def __init__(self, directory: str, index: dict) -> None:
+        self.directory, self.metas = directory, index["params"]
+        self.saved_world = index["world_size"]
+        self.handles: dict[int, object] = {}
+
+    def get(self, i: int, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of parameter ``i``'s flattened state ``key`` (1-D)."""
+        numel, world = self.metas[i]["numel"], self.saved_world
+        c = -(-numel // world)
         parts = []
         for q in range(start // c, -(-end // c)) if end > start else []:
             qs, qe = q * c, min(q * c + c, numel)
             a, b = max(start, qs), min(end, qe)
             if a >= b:
                 continue
-            if q not in handles:
-                handles[q] = open_checked(os.path.join(directory, _shard_file(q, saved_world)),
-                                          lambda p: safe_open(p, "pt"))
-            parts.append(handles[q].get_slice(f"{i}/{key}")[a - qs:b - qs])
+            if q not in self.handles:
+                self.handles[q] = open_checked(
+                    os.path.join(self.directory, _shard_file(q, world)),
+                    lambda p: safe_open(p, "pt"))
+            parts.append(self.handles[q].get_slice(f"{i}/{key}")[a - qs:b - qs])
         if not parts:
             return torch.zeros(0)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+
+def read_index(directory: str) -> dict:
+    """``directory``'s optimizer index, after checking it is there and in this format."""
+    require(directory, "optimizer", OPTIM_INDEX)
+    with open(os.path.join(directory, OPTIM_INDEX)) as f:
+        index = json.load(f)
+    if index.get("format") != OPTIM_FORMAT:
+        raise ValueError(f"{directory} has optimizer format {index.get('format')!r}, "
+                         f"expected {OPTIM_FORMAT!r}")
+    return index
+
+
+def read_optimizer(optimizer, directory: str, group=None) -> None:
+    """Load optimizer state saved by any world size into this rank's layout.
+
+    ``group``: the ranks loading together (a read error on one raises on all).
+    """
+    index = read_index(directory)
+    layout = optimizer.checkpoint_layout()
+    metas = index["params"]
+    if len(metas) != len(layout) or any(m["numel"] != s.numel for m, s in zip(metas, layout)):
+        raise ValueError(f"optimizer checkpoint {directory} holds {len(metas)} parameters "
+                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has {len(layout)} "
+                         f"{[s.numel for s in layout][:8]}...: same model and param groups needed")
+    pieces = ShardPieces(directory, index)
     sharded, replicated = {}, {}
 
     def read() -> None:
         rep_file = open_checked(os.path.join(directory, OPTIM_REPLICATED),
                                 lambda p: safe_open(p, "pt"))
         for i, (meta, s) in enumerate(zip(metas, layout)):
-            sharded[i] = {k: piece(i, k, s.start, s.end) for k in meta["sharded"]}
+            sharded[i] = {k: pieces.get(i, k, s.start, s.end) for k in meta["sharded"]}
             replicated[i] = dict(meta["replicated_values"])
             replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}")
                                   for k in meta["replicated_tensors"]})
