@@ -35,8 +35,8 @@ from . import shared_cast
 from .backend_base import Fp8Backend
 from .backends import get_backend
 from .config import GRANULAR_RECIPES, Fp8Config
-from .linear_granular import (RowGroups, granular_forward, prepare_granular, row_groups,
-                              weight_operands)
+from .linear_granular import (RowGroups, granular_forward, prepare_granular,
+                              prequantized_block_operands, row_groups, weight_operands)
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
                            fp8_input_operand, fp8_operand_mismatch, fp8_weight_operand,
@@ -371,11 +371,13 @@ class Fp8Linear(nn.Linear):
         Args:
             data_fp8: ``[out_features, in_features]`` contiguous tensor in the forward FP8
                 format (e4m3); not copied, so the caller must not change it while it is valid.
-            inv_scale: FP32 0-dim tensor, ``data_fp8.float() * inv_scale`` is the weight.
+            inv_scale: FP32 0-dim tensor, ``data_fp8.float() * inv_scale`` is the weight; for a
+                blockwise layer FP32 ``[ceil(N/b), ceil(K/b)]``, one per ``b`` x ``b`` block.
 
         Raises:
-            ValueError: not tensorwise (delayed: the weight scale follows the layer's amax
-                history; rowwise/blockwise: one scale per row/block), wrong format or shape.
+            ValueError: neither tensorwise nor blockwise (delayed: the weight scale follows the
+                layer's amax history; rowwise: the dgrad operand needs other scales), wrong
+                format or shape.
         """
         if data_fp8 is None:
             self._pre_w = None
@@ -486,7 +488,17 @@ class Fp8Linear(nn.Linear):
             self._share_src = None
 
     def _frozen_granular_operands(self) -> Optional[tuple]:
-        """A frozen weight's rowwise/blockwise FP8 operands, made once and kept (eager)."""
+        """The weight's blockwise operands set by :meth:`set_prequantized_weight` while valid,
+        else a frozen weight's rowwise/blockwise FP8 operands, made once and kept (eager)."""
+        pre = self.__dict__.get("_pre_w")
+        if pre is not None and pre.block:
+            if _compiling() or pre.matches(self.weight):  # as in _weight_fp8
+                return prequantized_block_operands(pre)
+            _state.warn_once(("fp8-linear-prequantized-dropped", "blockwise"),
+                             "fp8boost: Fp8Linear casts its blockwise weight itself instead of "
+                             "using the prequantized FP8 weight: the weight was written or an "
+                             "optimizer step ran since it was set")
+            self._pre_w = None
         w = self.weight
         if (_compiling() or w.requires_grad or not self.keep_frozen_cast
                 or not self.fp8_config.cache_weight_cast or isinstance(w, Fp8WeightTensor)):

@@ -13,10 +13,12 @@ not use, by design:
   split dim of each shard is a multiple of ``block_size`` (otherwise the tile or block at a
   shard edge is scaled from the shard's part of it);
 * no shared input casts (``share_input_casts``: under ``torch.compile`` CSE merges them);
-* no prequantized weight (``set_prequantized_weight`` refuses these recipes): a blockwise
-  layer takes a block-scaled FP8 weight carrier of its own format as is (FSDP2's block-scaled
-  FP8 all-gather makes them: ``parallel/fsdp/block_gather.py``); any other FP8 carrier
-  (weight or input) is dequantized and re-quantized, warned once;
+* FP8 weights made elsewhere, blockwise only: a block-scaled FP8 weight carrier of the
+  layer's format is used as is (FSDP2's block-scaled FP8 all-gather makes them:
+  ``parallel/fsdp/block_gather.py``), and so is a blockwise ``set_prequantized_weight``
+  operand while the weight is unchanged (ZeRO's: ``parallel/zero/direct_blocks.py``); rowwise
+  refuses a prequantized weight, and any other FP8 carrier (weight or input) is dequantized and
+  re-quantized, warned once;
 * the weight cast is not cached across micro-batches (``cache_weight_cast``), except for a
   frozen weight (LoRA's base layer): its two FP8 operands (fprop's and dgrad's) are made once
   and reused until the weight is written, loaded or :func:`invalidate_weight_caches` runs.
@@ -32,9 +34,11 @@ from fp8boost import _state
 from .config import Fp8Config
 from .granular.function import RowGroups, carrier_mismatch, granular_linear, weight_operands
 from .granular.gemm import prepare as prepare_granular
-from .prequantized import Fp8WeightTensor, dequantize_weight
+from .granular.quantize import GranularFp8
+from .prequantized import Fp8WeightTensor, PrequantizedWeight, dequantize_weight, transpose_fp8
 
-__all__ = ["RowGroups", "granular_forward", "prepare_granular", "row_groups", "weight_operands"]
+__all__ = ["RowGroups", "granular_forward", "prepare_granular", "prequantized_block_operands",
+           "row_groups", "weight_operands"]
 
 
 class _Dequantize(torch.autograd.Function):
@@ -62,6 +66,15 @@ def _plain(t: torch.Tensor, role: str, config: Fp8Config) -> torch.Tensor:
     _state.warn_once(("fp8-linear-granular-carrier", role),
                      f"fp8boost: Fp8Linear dequantizes an FP8 {role}: {why}")
     return _Dequantize.apply(t)
+
+
+def prequantized_block_operands(pre: PrequantizedWeight) -> tuple[GranularFp8, GranularFp8]:
+    """A blockwise prequantized weight (ZeRO's block-scaled FP8 all-gather) as the two GEMM
+    operands ``weight_q`` takes: the blocks, and their transpose (made once per operand)."""
+    if pre.data_t is None:
+        pre.data_t = transpose_fp8(pre.data)
+    return (GranularFp8(pre.data, pre.inv_scale, "block", pre.block),
+            GranularFp8(pre.data_t, pre.inv_scale.t().contiguous(), "block", pre.block))
 
 
 def row_groups(groups: dict[str, object], recipe: str) -> Optional[RowGroups]:

@@ -246,9 +246,12 @@ class PrequantizedWeight:
     data: torch.Tensor
     """``[out_features, in_features]``, contiguous, forward FP8 format; not a copy."""
     inv_scale: torch.Tensor
-    """FP32 0-dim tensor: ``data.float() * inv_scale`` is the weight."""
+    """FP32 0-dim tensor: ``data.float() * inv_scale`` is the weight. Blockwise (``block``):
+    FP32 ``[ceil(N/block), ceil(K/block)]``, one per block."""
     data_t: Optional[torch.Tensor] = None
     """dgrad's K-major copy, ``data.t().contiguous()``, made on first need and kept."""
+    block: int = 0
+    """0: one scale (tensorwise); else the side of the blocks ``inv_scale`` scales."""
 
     @staticmethod
     def weight_key(weight: torch.Tensor) -> tuple:
@@ -261,15 +264,23 @@ class PrequantizedWeight:
         """The operand ``data`` / ``inv_scale`` for ``weight`` as it is now.
 
         Raises:
-            ValueError: ``config`` (the layer's ``Fp8Config``) is not tensorwise, or ``data`` is
-                not a contiguous tensor of the forward FP8 format and the operand's ``shape``.
+            ValueError: ``config`` (the layer's ``Fp8Config``) is neither tensorwise nor
+                blockwise, ``data`` is not a contiguous tensor of the forward FP8 format and the
+                operand's ``shape``, or a blockwise ``inv_scale`` is not one per block.
         """
-        if config.recipe != "tensorwise" or data.dtype != config.fwd_dtype or \
-                tuple(data.shape) != tuple(shape) or not data.is_contiguous():
-            raise ValueError(f"set_prequantized_weight needs a tensorwise layer and a contiguous "
-                             f"{config.fwd_dtype} tensor of shape {tuple(shape)}; got "
-                             f"{data.dtype} {tuple(data.shape)}, recipe {config.recipe!r}")
-        return cls(cls.weight_key(weight), data, inv_scale.float().reshape(()))
+        if config.recipe not in ("tensorwise", "blockwise") or data.dtype != config.fwd_dtype \
+                or tuple(data.shape) != tuple(shape) or not data.is_contiguous():
+            raise ValueError(f"set_prequantized_weight needs a tensorwise or blockwise layer and "
+                             f"a contiguous {config.fwd_dtype} tensor of shape {tuple(shape)}; "
+                             f"got {data.dtype} {tuple(data.shape)}, recipe {config.recipe!r}")
+        if config.recipe == "tensorwise":
+            return cls(cls.weight_key(weight), data, inv_scale.float().reshape(()))
+        b = config.block_size
+        blocks = (-(-shape[0] // b), -(-shape[1] // b))
+        if tuple(inv_scale.shape) != blocks:
+            raise ValueError(f"a blockwise prequantized weight needs one inverse scale per "
+                             f"{b}x{b} block, {blocks}; got {tuple(inv_scale.shape)}")
+        return cls(cls.weight_key(weight), data, inv_scale.float(), block=b)
 
     def matches(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` is still the tensor (and value) this operand was made from."""

@@ -23,8 +23,8 @@ from fp8boost.fp8.config import GRANULAR_RECIPES
 
 from fp8boost.parallel.comm.report import PARAM_ALL_GATHER, CommReport
 
-__all__ = ["GRANULAR_GATHER_WHY", "is_granular", "block_gathered", "split_fp8_gather_layers",
-           "report_granular_gather"]
+__all__ = ["GRANULAR_GATHER_WHY", "is_granular", "block_gathered", "ranks_of",
+           "split_fp8_gather_layers", "report_granular_gather"]
 
 GRANULAR_GATHER_WHY = (
     "weights of rowwise/blockwise Fp8Linear layers are all-gathered in the training dtype: the "
@@ -45,6 +45,12 @@ def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int]) -> b
     (None: not FSDP2, never)."""
     from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
     return shard_ranks is not None and block_gather_unfit(module, shard_ranks) is None
+
+
+def ranks_of(group) -> int:
+    """The size of a process group (1 for None or without a process group)."""
+    import torch.distributed as dist
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def split_fp8_gather_layers(layers: Iterable[nn.Module]) -> tuple[list, list]:

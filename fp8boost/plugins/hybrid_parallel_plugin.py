@@ -33,7 +33,8 @@ from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .distributed import broadcast_module
-from .granular_comm import is_granular, report_granular_gather
+from .granular_comm import (block_gathered, is_granular, ranks_of,
+                            report_granular_gather)
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
@@ -327,8 +328,10 @@ class HybridParallelPlugin(Plugin):
         topo = self.topology()
         sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
         replicated = [p for n, p in model.named_parameters() if n not in sharded]
+        group = zero_group(self, topo)
+        zero_ranks = ranks_of(group)  # blockwise weights whose chunks hold whole blocks: FP8
         opt = ZeroOptimizer(
-            optimizer, dp_group=zero_group(self, topo), stage=self.zero_stage,
+            optimizer, dp_group=group, stage=self.zero_stage,
             overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
@@ -336,7 +339,8 @@ class HybridParallelPlugin(Plugin):
                                     self.colossal.loss_scale),
             fp8_communication=self.fp8_communication, comm_config=self.comm_config,
             fp8_reduce_scatter=self.fp8_reduce_scatter,
-            fp8_params=[m.weight for m in fp8_layers(model) if not is_granular(m)],
+            fp8_params=[m.weight for m in fp8_layers(model)
+                        if not is_granular(m) or block_gathered(m, zero_ranks)],
             tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
             pp_counted_elsewhere=self._tied_copy())
@@ -344,7 +348,8 @@ class HybridParallelPlugin(Plugin):
         self.comm_report = opt.comm_report
         if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
             from fp8boost.fp8.moe.comm import report_expert_gather
-            report_granular_gather(self.comm_report, "HybridParallelPlugin", model)
+            report_granular_gather(self.comm_report, "HybridParallelPlugin", model,
+                                   opt.dp_world)
             report_expert_gather(self.comm_report, "HybridParallelPlugin", model)
         return opt
 

@@ -12,7 +12,8 @@ from fp8boost.parallel.zero import ZeroOptimizer
 from .colossal_args import loss_scale_args, low_level_zero_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
-from .granular_comm import is_granular, report_granular_gather
+from .granular_comm import (block_gathered, is_granular, ranks_of,
+                            report_granular_gather)
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 
@@ -133,7 +134,8 @@ class LowLevelZeroPlugin(Plugin):
         self.comm_report = opt.comm_report
         if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
             from fp8boost.fp8.moe.comm import report_expert_gather
-            report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model)
+            report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model,
+                                   opt.dp_world)
             report_expert_gather(self.comm_report, "LowLevelZeroPlugin", model)
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         return opt
@@ -144,8 +146,11 @@ class LowLevelZeroPlugin(Plugin):
         if self.fp8_param_gather == "none":
             return []
         from fp8boost.fp8.backends import warn_once
-        # rowwise/blockwise layers' weights stay in the training dtype (comm/granular.py)
-        weights = [m.weight for m in fp8_layers(model) if not is_granular(m)]
+        # rowwise/blockwise layers' weights stay in the training dtype, except blockwise ones
+        # whose chunks hold whole blocks: FP8 with their block scales (granular_comm.py)
+        ranks = ranks_of(self.topology().group("dp"))
+        weights = [m.weight for m in fp8_layers(model)
+                   if not is_granular(m) or block_gathered(m, ranks)]
         if self.fp8_communication and not fp8_layers(model):
             warn_once("zero_fp8_gather_none",
                       "LowLevelZeroPlugin(fp8_communication=True): the model has no Fp8Linear "

@@ -211,8 +211,8 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
                 p.copy_(m[: s.numel].view(s.shape))
             return
         fp8 = comm.fp8 and fp8_mask is not None
-        kinds = [("direct" if direct is not None and i in direct.slot else "fp8")
-                 if fp8 and fp8_mask[i] else "plain" for i in range(len(params))]
+        kinds = [_fp8_kind(i, direct) if fp8 and fp8_mask[i] else "plain"
+                 for i in range(len(params))]
         scales = None
         if "direct" in kinds:  # every direct weight's global amax, in ONE all-reduce
             dev = params[direct.weights[0].index].device
@@ -225,6 +225,21 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
                 _finish_gather(in_flight.popleft(), ctx)
         while in_flight:
             _finish_gather(in_flight.popleft(), ctx)
+
+
+def _fp8_kind(i: int, direct) -> str:
+    """``direct`` (one scale per weight, shared), ``block`` (bytes + block scales per chunk,
+    see ``direct_blocks.py``) or ``fp8`` (the regular FP8 gather, decoded)."""
+    if direct is not None and i in direct.slot:
+        return "direct"
+    return "block" if direct is not None and i in direct.block_slot else "fp8"
+
+
+def _width(i: int, ctx: "_GatherCtx") -> int:
+    """Wire elements of parameter ``i`` per rank (a block weight adds its scales' bytes)."""
+    if ctx.kinds[i] == "block":
+        return ctx.direct.block_slot[i].wire_numel
+    return ctx.shards[i].chunk
 
 
 class _GatherCtx:
@@ -253,7 +268,17 @@ def _gather_buckets(params, shards, kinds, world, bucket_numel):
 def _launch_gather(items: list[int], ctx: _GatherCtx):
     p0 = ctx.params[items[0]]
     kind = ctx.kinds[items[0]]
-    total = sum(ctx.shards[i].chunk for i in items)
+    total = sum(_width(i, ctx) for i in items)
+    if kind == "block":  # FP8 bytes + block scales, cast per chunk: plain uint8 on the wire
+        from .direct_blocks import cast_block_chunk
+        inp = torch.empty(total, dtype=torch.uint8, device=p0.device)
+        off = 0
+        for i in items:
+            w = ctx.direct.block_slot[i]
+            cast_block_chunk(w, ctx.masters[i][: ctx.shards[i].length], inp[off:off + w.wire_numel])
+            off += w.wire_numel
+        out = torch.empty(ctx.world * total, dtype=torch.uint8, device=p0.device)
+        return ctx.comm.all_gather(out, inp, fp8=False), items, out, total
     if kind == "direct":  # already FP8 with each weight's global scale: plain uint8 on the wire
         inp = torch.empty(total, dtype=torch.uint8, device=p0.device)
         off = 0
@@ -282,6 +307,12 @@ def _finish_gather(entry, ctx: _GatherCtx) -> None:
     off = 0
     for i in items:
         s = ctx.shards[i]
+        if ctx.kinds[i] == "block":
+            from .direct_blocks import receive_block
+            w = ctx.direct.block_slot[i]
+            receive_block(w, rows[:, off:off + w.wire_numel], ctx.params[i])
+            off += w.wire_numel
+            continue
         full = rows[:, off:off + s.chunk].reshape(-1)[: s.numel]
         if ctx.kinds[i] == "direct":
             ctx.direct.receive(i, full, ctx.params[i], ctx.scales)

@@ -31,6 +31,8 @@ class DirectGather:
         fp8_mask: which parameters are all-gathered in FP8 over more than one rank (all False:
             binding finds nothing and an unbound gather logs nothing).
         comm_config: the ``Fp8CommConfig`` of the optimizer's collectives (None: the default).
+        world: the ranks each parameter is chunked over (blockwise weights take the block
+            variant when their chunks hold whole blocks; None: they never do).
 
     Example:
         >>> import torch                                                       # doctest: +SKIP
@@ -40,11 +42,12 @@ class DirectGather:
     """
 
     def __init__(self, params: list[torch.Tensor], shapes: list[torch.Size],
-                 fp8_mask: list[bool], comm_config=None) -> None:
+                 fp8_mask: list[bool], comm_config=None, world: Optional[int] = None) -> None:
         self.params = params
         self.shapes = shapes
         self.fp8_mask = fp8_mask
         self.comm_config = comm_config
+        self.world = world
         self._plan: Optional[ZeroDirectPlan] = None  # None until bind()
         self._hooks: list = []  # the bound layers' re-hand-over hooks
 
@@ -56,7 +59,7 @@ class DirectGather:
         from .direct_plan import build_direct_plan, weight_owners
         self.remove_hooks()
         self._plan = build_direct_plan(self.params, self.shapes, self.fp8_mask,
-                                       weight_owners(model), self.comm_config)
+                                       weight_owners(model), self.comm_config, self.world)
         # Each direct layer gets its operand back after another optimizer's step (the layer
         # drops it at every step in the process; see direct_plan's module docstring).
         self._hooks = self._plan.attach()

@@ -25,7 +25,9 @@ when steps were counted since the hand-over but the weight itself was not writte
 same version): the operand then lives exactly as long as the weight it describes.
 
 Which weights qualify reuses the FSDP rule (:func:`fp8boost.parallel.fsdp.gather_plan.choose_plan`);
-the others keep the per-rank-scale FP8 gather, with the reason logged once.
+the others keep the per-rank-scale FP8 gather, with the reason logged once. Blockwise weights
+whose ZeRO chunks hold whole 128-row blocks take the block variant (:mod:`.direct_blocks`):
+bytes and block scales cast per chunk, no amax all-reduce.
 """
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ def weight_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
     return owners
 
 
-def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size):
+def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size,
+            world: Optional[int] = None):
     """The FSDP plan rule plus ZeRO's extra conditions; returns a ``GatherPlan``."""
     # Imported here: the fsdp package pulls in FSDP2, which ZeRO users may never need.
     from fp8boost.parallel.fsdp.gather_plan import GatherPlan, choose_plan
@@ -91,12 +94,13 @@ def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size):
     if why is not None:
         return GatherPlan(False, config.param_dtype, 0, config.power_of_2_wire_scale, why)
     module = layer if layer is not None else (mods[0] if mods else None)
-    return choose_plan(config, len(mods) > 1, module, shape)
+    return choose_plan(config, len(mods) > 1, module, shape, world)
 
 
 def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_mask: list[bool],
                       owners: dict[int, list[nn.Module]],
-                      config: Optional[Fp8CommConfig]) -> "ZeroDirectPlan":
+                      config: Optional[Fp8CommConfig],
+                      world: Optional[int] = None) -> "ZeroDirectPlan":
     """Decide, for every FP8-gathered parameter, whether its bytes feed its layer directly.
 
     Args:
@@ -105,16 +109,21 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
         fp8_mask: which parameters are all-gathered in FP8 at all.
         owners: :func:`weight_owners` of the model.
         config: the ZeRO optimizer's ``Fp8CommConfig`` (None: the default one).
+        world: the ZeRO ranks (blockwise weights qualify when their chunks hold whole blocks;
+            None: none do).
     """
+    from .direct_blocks import BlockWeight
     cfg = config if config is not None else Fp8CommConfig()
-    weights = []
+    weights, blocks = [], []
     for i, (p, shape, fp8) in enumerate(zip(params, shapes, fp8_mask)):
         if not fp8:
             continue
         mods = [m for m in owners.get(id(p), []) if m._parameters.get("weight") is p] or \
             owners.get(id(p), [])
-        plan = _choose(cfg, mods, shape)
-        if plan.direct:
+        plan = _choose(cfg, mods, shape, world)
+        if plan.direct and plan.block:
+            blocks.append(BlockWeight(i, mods[0], plan, shape[0] // world, shape[1]))
+        elif plan.direct:
             weights.append(DirectWeight(i, mods[0], plan))
         elif (bool(mods) and is_fp8_layer(mods[0])) or len(mods) > 1:
             # Only weights an Fp8Linear would have consumed are worth a word; biases and
@@ -127,7 +136,12 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
                         "fp8boost: ZeRO FP8 all-gather feeds Fp8Linear's FP8 GEMM directly "
                         "(one amax all-reduce per step, no re-quantize of the weight)",
                         level=logging.INFO)
-    return ZeroDirectPlan(weights, cfg)
+    if blocks:
+        _state.log_once(logger, "zero-fp8-ag-blocks",
+                        "fp8boost: ZeRO FP8 all-gather sends blockwise weights with their block "
+                        "scales, cast per chunk, straight into the blockwise GEMMs",
+                        level=logging.INFO)
+    return ZeroDirectPlan(weights, cfg, blocks)
 
 
 class ZeroDirectPlan:
@@ -139,11 +153,13 @@ class ZeroDirectPlan:
     torch ops elsewhere, bit-identical); the scales of all weights come from a few vector ops.
     """
 
-    def __init__(self, weights: list[DirectWeight], config: Optional[Fp8CommConfig] = None
-                 ) -> None:
+    def __init__(self, weights: list[DirectWeight], config: Optional[Fp8CommConfig] = None,
+                 blocks: tuple = ()) -> None:
         self.weights = weights
+        self.blocks = list(blocks)  # direct_blocks.BlockWeight: no shared scale
         self.config = config if config is not None else Fp8CommConfig()
         self.slot = {w.index: j for j, w in enumerate(weights)}  # param index -> amax entry
+        self.block_slot = {w.index: w for w in self.blocks}
         # Weights sharing a scale rule get their scales from one vectorised call.
         self._rules: dict[tuple, list[int]] = {}
         for j, w in enumerate(weights):
@@ -151,14 +167,15 @@ class ZeroDirectPlan:
             self._rules.setdefault(rule, []).append(j)
 
     def __bool__(self) -> bool:
-        return bool(self.weights)
+        return bool(self.weights or self.blocks)
 
     def attach(self) -> list:
         """Register each direct layer's re-hand-over hook (see the module docstring).
 
         Returns the hook handles (``.remove()`` detaches them).
         """
-        return [w.layer.register_forward_pre_hook(_rehand_hook(w)) for w in self.weights]
+        return [w.layer.register_forward_pre_hook(_rehand_hook(w))
+                for w in (*self.weights, *self.blocks)]
 
     def global_scales(self, masters: list[torch.Tensor], device: torch.device,
                       group) -> torch.Tensor:

@@ -131,7 +131,8 @@ class ZeroOptimizer(MasterWeightOptimizer):
         fp8_wire = self._comm is not None and self._comm.fp8 and self.world > 1
         self.fp8_direct = DirectGather(self.params, [s.shape for s in self.shards],
                                        [fp8_wire and m for m in self.fp8_gather_mask],
-                                       self._comm.comm_config if self._comm is not None else None)
+                                       self._comm.comm_config if self._comm is not None else None,
+                                       world=self.world)
         self._sync = True
         self._unsynced_grads = False
         self._hooks = []
