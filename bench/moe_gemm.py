@@ -13,6 +13,14 @@ N = 2i) and down (K = i, N = h). Per projection:
   and per-expert-row quantization, the GEMM, masking of the rows past the groups);
 * ``fp8_train`` / ``bf16_train``: forward + backward of one projection (three GEMMs each).
 
+``fp8_fprop`` and ``fp8_train`` run with the fused Triton casts
+(``fp8boost.fp8.kernels.moe_cast``, what ``scaled_grouped_mm`` takes in eager mode);
+``fp8_fprop_torchcast`` / ``fp8_train_torchcast`` force the torch-op casts (the path before the
+kernels), and ``casts_*_ms`` time the casts alone (forward: x rowwise, W per expert row, x^T per
+(expert, column); backward: dy rowwise, W^T per (expert, k), dy^T per (expert, column); the
+``fused`` forward/backward also give the one-call x + x^T cast of
+``quantize_tokens_and_groups_t``).
+
 TFLOP/s = 2*S*N*K / time per GEMM (x3 for the train rows). Each time is the median of many
 runs after warm-up (``triton.testing.do_bench``).
 
@@ -25,6 +33,7 @@ moe_gemm_<date>.json, and prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,6 +51,47 @@ def bench(fn, warmup_ms=25, rep_ms=150) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+@contextlib.contextmanager
+def torch_casts():
+    """The expert casts in torch ops even under ``scaled_grouped_mm`` (the pre-kernel path)."""
+    from fp8boost.fp8.moe import quantize as Q
+
+    saved = Q.FUSED_BACKENDS
+    Q.FUSED_BACKENDS = ()
+    try:
+        yield
+    finally:
+        Q.FUSED_BACKENDS = saved
+
+
+def cast_times(x, dy, w, r, so, backend) -> dict:
+    """Milliseconds of one projection's forward and backward casts under ``backend``."""
+    from fp8boost.fp8.moe import quantize as Q
+
+    e, b = r.num_experts, backend
+
+    def fwd():
+        Q.quantize_tokens(x, so.fwd_dtype, so, backend=b)
+        Q.quantize_experts(w, so, backend=b)
+        Q.quantize_groups_t(x, r.group, e, so.fwd_dtype, so, backend=b)
+
+    def bwd():
+        Q.quantize_tokens(dy, so.grad_dtype, so, backend=b)
+        Q.quantize_experts(w, so, transpose=True, backend=b)
+        Q.quantize_groups_t(dy, r.group, e, so.grad_dtype, so, backend=b)
+
+    def fwd_fused():  # x and x^T in one call: what grouped_linear could use
+        Q.quantize_tokens_and_groups_t(x, r.group, e, so.fwd_dtype, so, backend=b)
+        Q.quantize_experts(w, so, backend=b)
+
+    def bwd_fused():
+        Q.quantize_tokens_and_groups_t(dy, r.group, e, so.grad_dtype, so, backend=b)
+        Q.quantize_experts(w, so, transpose=True, backend=b)
+
+    return {"fwd": bench(fwd), "bwd": bench(bwd), "fwd_fused": bench(fwd_fused),
+            "bwd_fused": bench(bwd_fused)}
 
 
 def bf16_rows(e: int, s: int):
@@ -97,13 +147,21 @@ def projection(e, k, t, n_out, k_in) -> dict:
         torch._grouped_mm(xbg, wg.transpose(-2, -1), offs=offs).backward(dyb)
 
     res["fp8_train_tflops"] = tf(bench(fp8_train), 3)
+    with torch_casts():
+        with torch.no_grad():
+            res["fp8_fprop_torchcast_tflops"] = tf(bench(lambda: grouped_linear(x, w, r, opts)))
+        res["fp8_train_torchcast_tflops"] = tf(bench(fp8_train), 3)
+    for name, backend in (("torch", None), ("triton", "scaled_grouped_mm")):
+        for part, ms in cast_times(x, dy, w, r, so, backend).items():
+            res[f"casts_{part}_{name}_ms"] = ms
     try:
         res["bf16_train_tflops"] = tf(bench(bf16_train), 3)
     except RuntimeError as exc:  # no autograd formula for _grouped_mm in this torch
         res["bf16_train_tflops"] = None
         res["bf16_train_error"] = str(exc)[:200]
     for a, b in (("fp8_gemm", "bf16"), ("fp8_wgrad_gemm", "bf16_wgrad"),
-                 ("fp8_fprop", "bf16"), ("fp8_train", "bf16_train")):
+                 ("fp8_fprop", "bf16"), ("fp8_train", "bf16_train"),
+                 ("fp8_fprop_torchcast", "bf16"), ("fp8_train_torchcast", "bf16_train")):
         if res.get(f"{b}_tflops"):
             res[f"{a}_vs_{b}"] = res[f"{a}_tflops"] / res[f"{b}_tflops"]
     return res
@@ -122,6 +180,12 @@ def main(argv=None) -> None:
     if why is not None:
         raise SystemExit(f"torch._scaled_grouped_mm unusable here: {why}")
     assert resolve_backend(Fp8Config(), torch.device("cuda")) == "scaled_grouped_mm"
+    from fp8boost.fp8.moe import quantize as Q
+
+    if Q.fused_kernels(torch.ones(1, device="cuda"), "scaled_grouped_mm", "bench",
+                       torch.float8_e4m3fn, Q.ScaleOptions()) is None:
+        print("WARNING: the fused Triton casts are unavailable here (see the log): the 'fused' "
+              "columns measure the torch-op casts too", flush=True)
     rows = []
     for name in args.shapes:
         e, k, h, i = SHAPES[name]
@@ -132,16 +196,37 @@ def main(argv=None) -> None:
                 print(json.dumps(r), flush=True)
                 torch.cuda.empty_cache()
     path = write_json("moe_gemm", {**env_info(argv), "rows": rows})
-    print(f"\nwrote {path}\n{'shape':>14} {'proj':>7} {'T':>6} {'bf16':>6} {'fp8':>6} "
-          f"{'x':>5} {'wg bf16':>7} {'wg fp8':>6} {'fprop':>6} {'train b':>7} {'train 8':>7} "
-          f"{'x':>5}  (TFLOP/s)")
+    print(f"\nwrote {path}")
+    print_tables(rows)
+
+
+def _x(r: dict, key: str) -> float:
+    v = r.get(key)
+    return float("nan") if v is None else v
+
+
+def print_tables(rows: list) -> None:
+    """The GEMMs (TFLOP/s), then the expert path with torch vs fused casts (x BF16, ms)."""
+    print(f"{'shape':>14} {'proj':>7} {'T':>6} {'bf16':>6} {'fp8':>6} {'x':>5} {'wg bf16':>7} "
+          f"{'wg fp8':>6} {'fprop':>6} {'train b':>7} {'train 8':>7} {'x':>5}  (TFLOP/s)")
     for r in rows:
         print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} {r['bf16_tflops']:6.0f} "
               f"{r['fp8_gemm_tflops']:6.0f} {r['fp8_gemm_vs_bf16']:5.2f} "
               f"{r['bf16_wgrad_tflops']:7.0f} {r['fp8_wgrad_gemm_tflops']:6.0f} "
-              f"{r['fp8_fprop_tflops']:6.0f} {r['bf16_train_tflops'] or float('nan'):7.0f} "
-              f"{r['fp8_train_tflops']:7.0f} {r.get('fp8_train_vs_bf16_train', float('nan')):5.2f}")
-
+              f"{r['fp8_fprop_tflops']:6.0f} {_x(r, 'bf16_train_tflops'):7.0f} "
+              f"{r['fp8_train_tflops']:7.0f} {_x(r, 'fp8_train_vs_bf16_train'):5.2f}")
+    print(f"\nexpert path vs BF16 (x): torch-op casts vs fused Triton casts; casts alone in ms"
+          f"\n{'shape':>14} {'proj':>7} {'T':>6} {'fwd torch':>9} {'fwd fused':>9} "
+          f"{'f+b torch':>9} {'f+b fused':>9} | {'fwd torch/tri':>13} {'bwd torch/tri':>13} "
+          f"{'x+x^T 1 call':>12}")
+    for r in rows:
+        print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} "
+              f"{_x(r, 'fp8_fprop_torchcast_vs_bf16'):9.2f} {_x(r, 'fp8_fprop_vs_bf16'):9.2f} "
+              f"{_x(r, 'fp8_train_torchcast_vs_bf16_train'):9.2f} "
+              f"{_x(r, 'fp8_train_vs_bf16_train'):9.2f} | "
+              f"{r['casts_fwd_torch_ms']:6.3f}/{r['casts_fwd_triton_ms']:6.3f} "
+              f"{r['casts_bwd_torch_ms']:6.3f}/{r['casts_bwd_triton_ms']:6.3f} "
+              f"{r['casts_fwd_fused_triton_ms']:12.3f}")
 
 if __name__ == "__main__":
     main()

@@ -12,18 +12,16 @@ takes equals the reference, with a timing print.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from fp8boost.fp8.granular import quantize as Q
+from tests.fp8.interp_child import IN_CHILD, run_interpreter_suite
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_CHILD = os.environ.get("FP8BOOST_TRITON_INTERP_CHILD") == "1"
+_CHILD = IN_CHILD
 # (recipe, weight, rows, cols): every layout quantize_operands makes.
 LAYOUTS = [("blockwise", False, True, True), ("blockwise", True, True, True),
            ("rowwise", False, True, False), ("rowwise", False, True, True),
@@ -74,21 +72,7 @@ def make_input(shape, xdtype=torch.bfloat16, seed=0, nan=True) -> torch.Tensor:
 
 def test_interpreter_suite():
     """Runs ``TestInterpreter`` below in a fresh process with ``TRITON_INTERPRET=1``."""
-    if _CHILD:
-        pytest.skip("already inside the interpreter child process")
-    from importlib.metadata import version
-
-    if tuple(int(v) for v in version("triton").split(".")[:2]) < (3, 7):
-        pytest.skip("the kernels' interpreter tests need Triton >= 3.7 (CI has 3.7/3.9)")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FP8BOOST_TRITON_INTERP_CHILD": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"{os.path.abspath(__file__)}::TestInterpreter"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    summary = [ln for ln in tail.splitlines() if " passed" in ln]
-    assert summary and "skipped" not in summary[-1], tail
+    run_interpreter_suite(__file__)
 
 
 @pytest.fixture(scope="class")

@@ -13,9 +13,6 @@ with cuBLAS (``torch._scaled_mm``) error as the yardstick; torch.compile (induct
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from fp8boost.fp8 import scaling
 from fp8boost.fp8.backends import CublasBackend
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.fp8.linear import Fp8Linear
+from tests.fp8.interp_child import IN_CHILD, run_interpreter_suite
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -74,27 +72,12 @@ def _rel_err(out, ref):
 # The interpreter must be on before anything imports triton (triton's own tl.* library
 # functions are decorated at import time), and the full test run imports triton early
 # (torch.compile). So the interpreter tests run in a child process that sets the variable first.
-_CHILD = os.environ.get("FP8BOOST_TRITON_INTERP_CHILD") == "1"
+_CHILD = IN_CHILD
 
 
 def test_interpreter_suite():
     """Runs ``TestInterpreter`` below in a fresh process with ``TRITON_INTERPRET=1``."""
-    if _CHILD:
-        pytest.skip("already inside the interpreter child process")
-    from importlib.metadata import version
-
-    if tuple(int(v) for v in version("triton").split(".")[:2]) < (3, 7):
-        # Triton 3.6's interpreter cannot iterate range(program_id, n, step).
-        pytest.skip("the kernels' interpreter tests need Triton >= 3.7 (CI has 3.7/3.9)")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FP8BOOST_TRITON_INTERP_CHILD": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"{os.path.abspath(__file__)}::TestInterpreter"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    summary = [ln for ln in tail.splitlines() if " passed" in ln]
-    assert summary and "skipped" not in summary[-1], tail  # every interpreter test really ran
+    run_interpreter_suite(__file__)
 
 
 @pytest.fixture(scope="class")

@@ -63,12 +63,13 @@ class GroupedFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, routing: Routing, opts: GroupedOptions, save_x: bool):
         s = opts.scales
-        xq, x_inv = quantize_tokens(x, s.fwd_dtype, s)
-        wq, w_inv = quantize_experts(weight, s)
+        xq, x_inv = quantize_tokens(x, s.fwd_dtype, s, backend=opts.backend)
+        wq, w_inv = quantize_experts(weight, s, backend=opts.backend)
         y = _mm(xq, x_inv, wq, w_inv, routing, opts, opts.fast_accum_fprop, x.dtype)
         saved = (None, None)
         if save_x:  # the weight gradient's operand, only when one will be computed
-            saved = quantize_groups_t(x, routing.group, routing.num_experts, s.fwd_dtype, s)
+            saved = quantize_groups_t(x, routing.group, routing.num_experts, s.fwd_dtype, s,
+                                      backend=opts.backend)
         ctx.save_for_backward(weight, *saved)
         ctx.routing, ctx.opts, ctx.x_dtype = routing, opts, x.dtype
         return y
@@ -81,11 +82,12 @@ class GroupedFp8Linear(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq, dy_inv = quantize_tokens(dy, s.grad_dtype, s)
-            wtq, wt_inv = quantize_experts(weight, s, transpose=True)
+            dyq, dy_inv = quantize_tokens(dy, s.grad_dtype, s, backend=opts.backend)
+            wtq, wt_inv = quantize_experts(weight, s, transpose=True, backend=opts.backend)
             dx = _mm(dyq, dy_inv, wtq, wt_inv, r, opts, opts.fast_accum_dgrad, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt, dyt_inv = quantize_groups_t(dy, r.group, r.num_experts, s.grad_dtype, s)
+            dyt, dyt_inv = quantize_groups_t(dy, r.group, r.num_experts, s.grad_dtype, s,
+                                             backend=opts.backend)
             dw = _mm_wgrad(dyt, dyt_inv, xt, xt_inv, r, opts, weight.dtype)
         return dx, dw, None, None, None
 

@@ -1,0 +1,339 @@
+"""Triton casts of the grouped expert GEMMs' operands: the contract of
+:mod:`fp8boost.fp8.moe.quantize`, bit for bit, in fewer reads of each tensor.
+
+Numerics are those of :mod:`fp8boost.fp8.kernels.granular_cast` (integer maxima over the bit
+patterns of ``|x|``, :func:`~fp8boost.fp8.kernels.cast.tl_scale_from_amax`, a saturating
+round-to-nearest-even cast, ``inv_scale`` the IEEE reciprocal of the scale), so NaN/Inf poison
+exactly the scales the torch reference poisons.
+
+==================================  =====  =====================================================
+operand                             reads  how
+==================================  =====  =====================================================
+tokens ``[rows, K]``, per row       1      ``granular_cast``'s rowwise rows kernel: one program
+                                           per row block, sweeping K twice (the second sweep
+                                           re-reads the block from L2)
+experts ``[E, N, K]``, per (e, n)   1      the same kernel on the ``[E*N, K]`` view
+experts ``W^T [E, K, N]``, (e, k)   2      amax pass (integer atomic max into ``[E, K]``), then
+                                           one cast pass writing the transposed bytes
+groups ``x^T [C, rows]``, (e, c)    2      the same two passes, segmented by ``group``
+``+ rows`` operand of the same x    2      both operands from the same two passes
+==================================  =====  =====================================================
+
+Segmentation: the two kernels take a row-block x column-block tile each; a tile's rows may
+belong to several experts (or none), so each tile loops over the experts its rows hold
+(``min .. max`` of their groups). The routing sorts rows by expert, so that loop runs once or
+twice per tile; an unsorted ``group`` stays correct, only slower. Atomics on integer bit
+patterns are order-independent, so the result is deterministic. Rows of no group
+(``group == E``: padding and tail rows) join no amax and get zero bytes, whatever they hold.
+Every expert's ``inv_scale`` is written, an expert with no rows getting 1 (amax 0), as in the
+reference. For the experts operand the "group" of row ``r`` of the ``[E*N, K]`` view is
+``r // N`` (no group tensor is read).
+
+A float32 input re-reads its tile in transposed order for the transposed bytes (as
+``granular_cast`` does; Triton 3.6 miscompiled that register transpose); 16-bit inputs
+transpose the FP8 bytes in registers.
+
+Inputs the kernels do not take (see :func:`supports`) are the caller's to cast with the torch
+reference.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..scaling import FP8_DTYPES, fp8_max
+from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
+from .granular_cast import MAX_POW2_MARGIN
+from .granular_cast import quantize_operands as granular_operands
+from .tuning import interpreting
+
+# The small helpers below are granular_cast's own (modules keep their private names private).
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
+# (mantissa bits, smallest normal exponent) for the interpreter's grid rounding.
+_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
+# (BLOCK_R, BLOCK_C, num_warps) of the grouped two-pass kernels on the GPU / the interpreter.
+GROUPED_TILE = (64, 128, 8)
+_INTERP_TILE = (32, 64, 1)
+
+
+@triton.jit
+def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even.
+    y = x * scale
+    y = tl.where(y > fmax, fmax, y)
+    y = tl.where(y < -fmax, -fmax, y)
+    if EMULATE:
+        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+    q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
+    if EMULATE:  # the interpreter makes NaN finite: write torch's NaN byte, 0x7F with y's sign
+        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        q = tl.where(y != y, sign | 0x7F, q)
+    return q
+
+
+@triton.jit
+def _offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+             IDX64: tl.constexpr):
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    if IDX64:  # >= 2**31 elements: int32 offsets would wrap
+        offs_r = offs_r.to(tl.int64)
+        offs_c = offs_c.to(tl.int64)
+    return offs_r, offs_c
+
+
+def _needs_int64(x: torch.Tensor) -> bool:
+    r, c = x.shape
+    span = (r - 1) * abs(x.stride(0)) + (c - 1) * abs(x.stride(1)) + 1
+    return max(span, r * c) >= 2**31
+
+
+@triton.jit
+def _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED: tl.constexpr):
+    # Each row's expert as int32, E for rows of no group (and rows past R). A group id outside
+    # [0, E) counts as "no group": it must never address the amax table out of bounds.
+    if GROUPED:
+        g = tl.load(grp_ptr + offs_r, mask=in_r, other=E).to(tl.int32)
+        g = tl.where((g >= 0) & (g < E), g, E)
+    else:
+        g = tl.where(in_r, (offs_r // SEG).to(tl.int32), E)
+    return g
+
+
+@triton.jit
+def _group_amax_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c, E, SEG,
+                       ROWS: tl.constexpr, GROUPED: tl.constexpr, IDX64: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Pass 1: row amaxes (ROWS) and per-(expert, column) amaxes of this tile, by atomic max
+    # on |x| bit patterns into zeroed int32 tables.
+    offs_r, offs_c = _offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
+    in_r = offs_r < R
+    in_c = offs_c < C
+    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+                mask=in_r[:, None] & in_c[None, :], other=0.0)
+    bits = abs_bits(x)
+    if ROWS:
+        tl.atomic_max(ramax_ptr + offs_r, tl.max(bits, axis=1), mask=in_r)
+    g = _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED)
+    g_lo = tl.min(g, axis=0)
+    g_hi = tl.max(tl.where(g < E, g, -1), axis=0)
+    for e in range(g_lo, g_hi + 1):  # sorted rows: one or two experts per tile
+        ca = tl.max(tl.where((g == e)[:, None], bits, 0), axis=0)
+        tl.atomic_max(camax_ptr + e * C + offs_c, ca, mask=in_c)
+
+
+@triton.jit
+def _group_scales(camax_ptr, g, g_lo, g_hi, offs_c, in_c, C, target, POW2: tl.constexpr,
+                  TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # The scale of every element of the tile (0 for rows of no group), [BLOCK_R, BLOCK_C], or
+    # built directly as [BLOCK_C, BLOCK_R] when TRANSPOSED (no float register transpose).
+    if TRANSPOSED:
+        s = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
+    else:
+        s = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for e in range(g_lo, g_hi + 1):
+        a = tl.load(camax_ptr + e * C + offs_c, mask=in_c, other=0)
+        s_e = tl_scale_from_amax(a.to(tl.float32, bitcast=True), target, POW2)
+        if TRANSPOSED:
+            s = tl.where((g == e)[None, :], s_e[:, None], s)
+        else:
+            s = tl.where((g == e)[:, None], s_e[None, :], s)
+    return s
+
+
+@triton.jit
+def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr,
+                       R, C, stride_r, stride_c, E, SEG, OUT_G, OUT_C, n_tr, fmax, target,
+                       ROWS: tl.constexpr, GROUPED: tl.constexpr, POW2: tl.constexpr,
+                       T_RELOAD: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+                       MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, IDX64: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Pass 2: the rows operand (ROWS) and the transposed per-(expert, column) operand. Element
+    # (r, c) of expert g goes to qt[g*OUT_G + c*OUT_C + r - g*SEG]: [C, R] for the token
+    # groups (OUT_G = SEG = 0, OUT_C = R), [E, K, N] for the experts (K*N, N, N).
+    tr = tl.program_id(0)
+    tc = tl.program_id(1)
+    offs_r, offs_c = _offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
+    in_r = offs_r < R
+    in_c = offs_c < C
+    mask = in_r[:, None] & in_c[None, :]
+    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                other=0.0).to(tl.float32)
+    if ROWS:
+        ra = tl.load(ramax_ptr + offs_r, mask=in_r, other=0)
+        s_r = tl_scale_from_amax(ra.to(tl.float32, bitcast=True), target, POW2)
+        q = _fp8_bytes(x, s_r[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+        if tc == 0:
+            tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s_r), mask=in_r)
+    g = _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED)
+    g_lo = tl.min(g, axis=0)
+    g_hi = tl.max(tl.where(g < E, g, -1), axis=0)
+    row_out = offs_r + g.to(offs_r.dtype) * (OUT_G - SEG)  # int64 when IDX64: no wrap
+    mask_t = in_c[:, None] & in_r[None, :]
+    if T_RELOAD:  # float32: see the module docstring
+        xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
+                     mask=mask_t, other=0.0).to(tl.float32)
+        s_t = _group_scales(camax_ptr, g, g_lo, g_hi, offs_c, in_c, C, target, POW2, True,
+                            BLOCK_R, BLOCK_C)
+        qt = _fp8_bytes(xt, s_t, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        qt = tl.where((g < E)[None, :], qt, tl.zeros_like(qt))
+    else:
+        s = _group_scales(camax_ptr, g, g_lo, g_hi, offs_c, in_c, C, target, POW2, False,
+                          BLOCK_R, BLOCK_C)
+        q = _fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        qt = tl.trans(tl.where((g < E)[:, None], q, tl.zeros_like(q)))
+    tl.store(qt_ptr + offs_c[:, None] * OUT_C + row_out[None, :], qt, mask=mask_t)
+    # Every expert's inverse scales, experts with no rows included: rows tr, tr + n_tr, ...
+    for e in range(tr, E, n_tr):
+        a = tl.load(camax_ptr + e * C + offs_c, mask=in_c, other=0)
+        s_e = tl_scale_from_amax(a.to(tl.float32, bitcast=True), target, POW2)
+        tl.store(invt_ptr + e * C + offs_c, tl.math.div_rn(1.0, s_e), mask=in_c)
+
+
+def supports(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_2: bool = False,
+             group: Optional[torch.Tensor] = None) -> bool:
+    """Whether these kernels take ``x`` (else the caller uses the torch reference).
+
+    ``x``: a token tensor ``[rows, K]`` or expert weights ``[E, N, K]``; float32, bfloat16 or
+    float16, not empty, on CUDA (or under the Triton interpreter). ``group``: for the token
+    groups, a 1-D integer tensor of ``rows`` entries on ``x``'s device. Power-of-2 scales with
+    ``margin > 6`` are refused, as in ``granular_cast`` (a subnormal scale would round
+    differently from ``frexp``).
+
+    Example:
+        >>> supports(torch.randn(0, 8), torch.float8_e4m3fn)
+        False
+    """
+    if not torch.is_tensor(x) or x.dim() not in (2, 3) or x.numel() == 0:
+        return False
+    if x.dtype not in _HIGH_PRECISION or dtype not in FP8_DTYPES:
+        return False
+    if x.device.type != "cuda" and not interpreting():
+        return False
+    if group is not None:
+        if (x.dim() != 2 or group.dim() != 1 or group.shape[0] != x.shape[0]
+                or group.dtype.is_floating_point or group.dtype == torch.bool
+                or group.device != x.device):
+            return False
+    return not (power_of_2 and margin > MAX_POW2_MARGIN)
+
+
+def why_unsupported(x: torch.Tensor, dtype: torch.dtype, **kw) -> str:
+    """A short description of inputs :func:`supports` refuses (for the caller's log line)."""
+    shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+    dt = x.dtype if torch.is_tensor(x) else None
+    return f"x {shape} {dt} -> {dtype}, {kw}"
+
+
+def _check(ok: bool, x, dtype, **kw) -> None:
+    if not ok:
+        raise ValueError(f"moe_cast cannot take {why_unsupported(x, dtype, **kw)}; use the "
+                         "torch reference (fp8boost.fp8.moe.quantize)")
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0,
+                  power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of ``x [R, C]`` (``granular_cast``'s rowwise rows kernel).
+
+    Returns:
+        ``(data [R, C] FP8, inv_scale [R] FP32)``.
+    """
+    _check(supports(x, dtype, margin=margin, power_of_2=power_of_2) and x.dim() == 2, x, dtype)
+    q, _ = granular_operands(x, dtype, "rowwise", weight=False, rows=True, cols=False,
+                              margin=margin, power_of_2=power_of_2)
+    return q.data, q.inv_scale.view(-1)
+
+
+def _two_pass(x2, group, num_groups, seg, out_shape, out_g, out_c, dtype, rows, margin,
+              power_of_2):
+    """Both grouped kernels on ``x2 [R, C]``: ``(data, inv) or None, data_t, inv_t [G, C]``."""
+    r, c = x2.shape
+    dev = x2.device
+    br, bc, warps = _INTERP_TILE if interpreting() else GROUPED_TILE
+    grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
+    dummy = torch.empty(1, dtype=torch.int32, device=dev)
+    ramax = torch.zeros(r, dtype=torch.int32, device=dev) if rows else dummy
+    camax = torch.zeros(num_groups, c, dtype=torch.int32, device=dev)
+    grp = group if group is not None else dummy
+    idx64 = _needs_int64(x2)
+    _group_amax_kernel[grid](x2, grp, ramax, camax, r, c, x2.stride(0), x2.stride(1),
+                             num_groups, seg, ROWS=bool(rows), GROUPED=group is not None,
+                             IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+    data = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
+    inv = torch.empty(r, dtype=torch.float32, device=dev) if rows else dummy
+    data_t = torch.empty(out_shape, dtype=dtype, device=dev)
+    inv_t = torch.empty(num_groups, c, dtype=torch.float32, device=dev)
+    fmax = fp8_max(dtype)
+    mant, min_exp = _GRID[dtype]
+    _group_cast_kernel[grid](
+        x2, grp, ramax, camax, data.view(torch.uint8) if rows else dummy, inv,
+        data_t.view(torch.uint8), inv_t, r, c, x2.stride(0), x2.stride(1), num_groups, seg,
+        out_g, out_c, grid[0], fmax, fmax / (2.0 ** margin), ROWS=bool(rows),
+        GROUPED=group is not None, POW2=bool(power_of_2), T_RELOAD=x2.dtype == torch.float32,
+        OUT_DTYPE=_TL_DTYPES[dtype], EMULATE=interpreting(), MANT_BITS=mant, MIN_EXP=min_exp,
+        IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+    return ((data, inv) if rows else None), data_t, inv_t
+
+
+def quantize_experts(w: torch.Tensor, dtype: torch.dtype, *, rows: bool = True,
+                     cols: bool = False, margin: int = 0, power_of_2: bool = False
+                     ) -> tuple[Optional[tuple], Optional[tuple]]:
+    """Expert weights ``w [E, N, K]``: the operand scaled per (e, n) over K (``rows``) and/or
+    ``w^T [E, K, N]`` scaled per (e, k) over N (``cols``); both from one pair of passes.
+
+    Returns:
+        ``((data [E, N, K], inv [E, N]) or None, (data_t [E, K, N], inv_t [E, K]) or None)``.
+
+    Example:
+        >>> w = torch.randn(4, 32, 16, device="cuda", dtype=torch.bfloat16)
+        >>> _, (dt, it) = quantize_experts(w, torch.float8_e4m3fn, rows=False, cols=True)
+        >>> tuple(dt.shape), tuple(it.shape)
+        ((4, 16, 32), (4, 16))
+    """
+    kw = dict(margin=margin, power_of_2=power_of_2)
+    _check(supports(w, dtype, **kw) and w.dim() == 3, w, dtype, **kw)
+    e, n, k = w.shape
+    w2 = w.detach().reshape(e * n, k)
+    if not cols:
+        if not rows:
+            return None, None
+        data, inv = quantize_rows(w2, dtype, **kw)
+        return (data.view(e, n, k), inv.view(e, n)), None
+    rq, data_t, inv_t = _two_pass(w2, None, e, n, (e, k, n), k * n, n, dtype, rows, **kw)
+    if rq is not None:
+        rq = (rq[0].view(e, n, k), rq[1].view(e, n))
+    return rq, (data_t, inv_t)
+
+
+def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
+                      dtype: torch.dtype, *, rows: bool = False, margin: int = 0,
+                      power_of_2: bool = False) -> tuple[Optional[tuple], tuple]:
+    """``x [R, C]`` scaled per (expert group, column) over that expert's rows, emitted
+    transposed ``[C, R]``; with ``rows``, also the per-row operand of the same ``x``.
+
+    Args:
+        x: tokens by features, rows sorted by expert (any order stays correct, see above).
+        group: ``[R]`` integer expert of each row; ``num_experts`` (or anything outside
+            ``[0, num_experts)``) for rows of no group, which get zero bytes.
+        num_experts: E (>= 1).
+        dtype: FP8 dtype.
+        rows: also return ``(data [R, C], inv [R])`` scaled per row (every row, as
+            :func:`quantize_rows`).
+
+    Returns:
+        ``((data, inv) or None, (data_t [C, R], inv_t [E, C]))``.
+    """
+    kw = dict(margin=margin, power_of_2=power_of_2)
+    _check(supports(x, dtype, group=group, **kw) and x.dim() == 2 and num_experts >= 1, x,
+           dtype, **kw)
+    r, c = x.shape
+    rq, data_t, inv_t = _two_pass(x.detach(), group, num_experts, 0, (c, r), 0, r, dtype, rows,
+                                  **kw)
+    return rq, (data_t, inv_t)
