@@ -47,10 +47,10 @@ from ..scaling import FP8_DTYPES, fp8_max
 from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
 from .tuning import interpreting
 
-_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-_TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
 # (mantissa bits, smallest normal exponent) for the interpreter's grid rounding.
-_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
+FP8_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
 # Power-of-2 scales with a larger margin can be subnormal (fp8_max / 2**7 / FP32 max < 2**-126).
 MAX_POW2_MARGIN = 6
 # (BLOCK_R, BLOCK_C, num_warps) of the rowwise kernels on the GPU and under the interpreter.
@@ -60,7 +60,7 @@ _INTERP_TILE = (32, 64, 1)
 
 
 @triton.jit
-def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+def fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
                MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even.
     y = x * scale
@@ -76,7 +76,7 @@ def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
 
 
 @triton.jit
-def _offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def tile_offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
              IDX64: tl.constexpr):
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -97,7 +97,7 @@ def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_
     # MODE 1: blockwise weight, one amax per b x b tile. MODE 2: rowwise, amaxes given.
     tr = tl.program_id(0)
     tc = tl.program_id(1)
-    offs_r, offs_c = _offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
+    offs_r, offs_c = tile_offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
     in_c = offs_c < C
     mask = in_r[:, None] & in_c[None, :]
@@ -107,7 +107,7 @@ def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_
         s = tl_scale_from_amax(tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(
             tl.float32, bitcast=True), target, POW2)
         inv = tl.math.div_rn(1.0, s)
-        q = _fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        q = fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
         tl.store(inv_ptr + tr * n_tc + tc, inv)
         if COLS:
@@ -115,7 +115,7 @@ def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_
             if T_RELOAD:  # see the module docstring
                 xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
                              mask=mask_t, other=0.0).to(tl.float32)
-                qt = _fp8_bytes(xt, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+                qt = fp8_bytes(xt, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
             else:
                 qt = tl.trans(q)
             tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
@@ -127,7 +127,7 @@ def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_
             else:
                 ra = tl.load(ramax_ptr + offs_r, mask=in_r, other=0)
             s_r = tl_scale_from_amax(ra.to(tl.float32, bitcast=True), target, POW2)
-            q = _fp8_bytes(x, s_r[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+            q = fp8_bytes(x, s_r[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
             tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
             if MODE == 0:
                 tl.store(inv_ptr + offs_r * n_tc + tc, tl.math.div_rn(1.0, s_r), mask=in_r)
@@ -143,9 +143,9 @@ def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_
             if T_RELOAD:
                 xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
                              mask=mask_t, other=0.0).to(tl.float32)
-                qt = _fp8_bytes(xt, s_c[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+                qt = fp8_bytes(xt, s_c[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
             else:
-                qt = tl.trans(_fp8_bytes(x, s_c[None, :], fmax, OUT_DTYPE, EMULATE, MANT_BITS,
+                qt = tl.trans(fp8_bytes(x, s_c[None, :], fmax, OUT_DTYPE, EMULATE, MANT_BITS,
                                          MIN_EXP))
             tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
             if MODE == 0:
@@ -160,7 +160,7 @@ def _amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Rowwise pass 1: this tile's row and column amaxes (|x| bit patterns) into zeroed int32
     # buffers by integer atomic max (order-independent: the result is deterministic).
-    offs_r, offs_c = _offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
+    offs_r, offs_c = tile_offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
     in_c = offs_c < C
     x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
@@ -179,7 +179,7 @@ def _rows_kernel(x_ptr, q_ptr, inv_ptr, R, C, stride_r, stride_c, fmax, target,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Rowwise rows only: one program per BLOCK_R rows, sweeping C twice (amax, then cast).
     pid = tl.program_id(0)
-    offs_r, offs_c0 = _offsets(pid, 0, R, C, BLOCK_R, BLOCK_C, IDX64)
+    offs_r, offs_c0 = tile_offsets(pid, 0, R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
     for c0 in range(0, C, BLOCK_C):
@@ -195,7 +195,7 @@ def _rows_kernel(x_ptr, q_ptr, inv_ptr, R, C, stride_r, stride_c, fmax, target,
         mask = in_r[:, None] & (offs_c[None, :] < C)
         x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
                     other=0.0).to(tl.float32)
-        q = _fp8_bytes(x, s[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        q = fp8_bytes(x, s[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
 
 
@@ -209,7 +209,7 @@ def supports(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, block: int = 1
     """
     if not torch.is_tensor(x) or x.dim() != 2 or x.numel() == 0:
         return False
-    if x.dtype not in _HIGH_PRECISION or dtype not in FP8_DTYPES:
+    if x.dtype not in HIGH_PRECISION or dtype not in FP8_DTYPES:
         return False
     if recipe not in ("rowwise", "blockwise"):
         return False
@@ -220,16 +220,16 @@ def supports(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, block: int = 1
     return not (power_of_2 and margin > MAX_POW2_MARGIN)
 
 
-def _needs_int64(x: torch.Tensor) -> bool:
+def needs_int64(x: torch.Tensor) -> bool:
     r, c = x.shape
     span = (r - 1) * abs(x.stride(0)) + (c - 1) * abs(x.stride(1)) + 1
     return max(span, r * c) >= 2**31
 
 
 def _common(x: torch.Tensor, dtype: torch.dtype, margin: int, power_of_2: bool) -> dict:
-    mant, min_exp = _GRID[dtype]
-    return dict(POW2=bool(power_of_2), OUT_DTYPE=_TL_DTYPES[dtype], EMULATE=interpreting(),
-                MANT_BITS=mant, MIN_EXP=min_exp, IDX64=_needs_int64(x))
+    mant, min_exp = FP8_GRID[dtype]
+    return dict(POW2=bool(power_of_2), OUT_DTYPE=TL_DTYPES[dtype], EMULATE=interpreting(),
+                MANT_BITS=mant, MIN_EXP=min_exp, IDX64=needs_int64(x))
 
 
 def _launch_tiles(x, dtype, mode, rows, cols, br, bc, warps, kw, ramax=None, camax=None):

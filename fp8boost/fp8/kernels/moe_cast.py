@@ -38,7 +38,6 @@ reference.
 """
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -46,52 +45,16 @@ import triton
 import triton.language as tl
 
 from ..scaling import FP8_DTYPES, fp8_max
-from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
-from .granular_cast import MAX_POW2_MARGIN
+from .cast import abs_bits, tl_scale_from_amax
+from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES, fp8_bytes,
+                            needs_int64, tile_offsets)
 from .granular_cast import quantize_operands as granular_operands
 from .tuning import interpreting
 
 # The small helpers below are granular_cast's own (modules keep their private names private).
-_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-_TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
-# (mantissa bits, smallest normal exponent) for the interpreter's grid rounding.
-_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
 # (BLOCK_R, BLOCK_C, num_warps) of the grouped two-pass kernels on the GPU / the interpreter.
 GROUPED_TILE = (64, 128, 8)
 _INTERP_TILE = (32, 64, 1)
-
-
-@triton.jit
-def _fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
-               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even.
-    y = x * scale
-    y = tl.where(y > fmax, fmax, y)
-    y = tl.where(y < -fmax, -fmax, y)
-    if EMULATE:
-        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-    q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-    if EMULATE:  # the interpreter makes NaN finite: write torch's NaN byte, 0x7F with y's sign
-        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-        q = tl.where(y != y, sign | 0x7F, q)
-    return q
-
-
-@triton.jit
-def _offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-             IDX64: tl.constexpr):
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    if IDX64:  # >= 2**31 elements: int32 offsets would wrap
-        offs_r = offs_r.to(tl.int64)
-        offs_c = offs_c.to(tl.int64)
-    return offs_r, offs_c
-
-
-def _needs_int64(x: torch.Tensor) -> bool:
-    r, c = x.shape
-    span = (r - 1) * abs(x.stride(0)) + (c - 1) * abs(x.stride(1)) + 1
-    return max(span, r * c) >= 2**31
 
 
 @triton.jit
@@ -112,7 +75,7 @@ def _group_amax_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, R, C, stride_r, str
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Pass 1: row amaxes (ROWS) and per-(expert, column) amaxes of this tile, by atomic max
     # on |x| bit patterns into zeroed int32 tables.
-    offs_r, offs_c = _offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
+    offs_r, offs_c = tile_offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
     in_c = offs_c < C
     x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
@@ -159,7 +122,7 @@ def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_
     # groups (OUT_G = SEG = 0, OUT_C = R), [E, K, N] for the experts (K*N, N, N).
     tr = tl.program_id(0)
     tc = tl.program_id(1)
-    offs_r, offs_c = _offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
+    offs_r, offs_c = tile_offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
     in_c = offs_c < C
     mask = in_r[:, None] & in_c[None, :]
@@ -168,7 +131,7 @@ def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_
     if ROWS:
         ra = tl.load(ramax_ptr + offs_r, mask=in_r, other=0)
         s_r = tl_scale_from_amax(ra.to(tl.float32, bitcast=True), target, POW2)
-        q = _fp8_bytes(x, s_r[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        q = fp8_bytes(x, s_r[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
         if tc == 0:
             tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s_r), mask=in_r)
@@ -182,12 +145,12 @@ def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_
                      mask=mask_t, other=0.0).to(tl.float32)
         s_t = _group_scales(camax_ptr, g, g_lo, g_hi, offs_c, in_c, C, target, POW2, True,
                             BLOCK_R, BLOCK_C)
-        qt = _fp8_bytes(xt, s_t, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        qt = fp8_bytes(xt, s_t, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
         qt = tl.where((g < E)[None, :], qt, tl.zeros_like(qt))
     else:
         s = _group_scales(camax_ptr, g, g_lo, g_hi, offs_c, in_c, C, target, POW2, False,
                           BLOCK_R, BLOCK_C)
-        q = _fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+        q = fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
         qt = tl.trans(tl.where((g < E)[:, None], q, tl.zeros_like(q)))
     tl.store(qt_ptr + offs_c[:, None] * OUT_C + row_out[None, :], qt, mask=mask_t)
     # Every expert's inverse scales, experts with no rows included: rows tr, tr + n_tr, ...
@@ -213,7 +176,7 @@ def supports(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_2
     """
     if not torch.is_tensor(x) or x.dim() not in (2, 3) or x.numel() == 0:
         return False
-    if x.dtype not in _HIGH_PRECISION or dtype not in FP8_DTYPES:
+    if x.dtype not in HIGH_PRECISION or dtype not in FP8_DTYPES:
         return False
     if x.device.type != "cuda" and not interpreting():
         return False
@@ -262,7 +225,7 @@ def _two_pass(x2, group, num_groups, seg, out_shape, out_g, out_c, dtype, rows, 
     ramax = torch.zeros(r, dtype=torch.int32, device=dev) if rows else dummy
     camax = torch.zeros(num_groups, c, dtype=torch.int32, device=dev)
     grp = group if group is not None else dummy
-    idx64 = _needs_int64(x2)
+    idx64 = needs_int64(x2)
     _group_amax_kernel[grid](x2, grp, ramax, camax, r, c, x2.stride(0), x2.stride(1),
                              num_groups, seg, ROWS=bool(rows), GROUPED=group is not None,
                              IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
@@ -271,13 +234,13 @@ def _two_pass(x2, group, num_groups, seg, out_shape, out_g, out_c, dtype, rows, 
     data_t = torch.empty(out_shape, dtype=dtype, device=dev)
     inv_t = torch.empty(num_groups, c, dtype=torch.float32, device=dev)
     fmax = fp8_max(dtype)
-    mant, min_exp = _GRID[dtype]
+    mant, min_exp = FP8_GRID[dtype]
     _group_cast_kernel[grid](
         x2, grp, ramax, camax, data.view(torch.uint8) if rows else dummy, inv,
         data_t.view(torch.uint8), inv_t, r, c, x2.stride(0), x2.stride(1), num_groups, seg,
         out_g, out_c, grid[0], fmax, fmax / (2.0 ** margin), ROWS=bool(rows),
         GROUPED=group is not None, POW2=bool(power_of_2), T_RELOAD=x2.dtype == torch.float32,
-        OUT_DTYPE=_TL_DTYPES[dtype], EMULATE=interpreting(), MANT_BITS=mant, MIN_EXP=min_exp,
+        OUT_DTYPE=TL_DTYPES[dtype], EMULATE=interpreting(), MANT_BITS=mant, MIN_EXP=min_exp,
         IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
     return ((data, inv) if rows else None), data_t, inv_t
 
