@@ -126,8 +126,8 @@ class HybridColossalArgs:
     """The ``GradientCheckpointConfig`` applied at ``boost`` (``plugins/grad_ckpt.py``)."""
 
 
-_DDP_INSTEAD = ("HybridParallelPlugin does not wrap the model in DDP: its ZeRO optimizer "
-                "(stage 0 included) reduces gradients over dp in buckets")
+_DDP_INSTEAD = ("the plugin does not wrap the model in DDP: its ZeRO optimizer (stage 0 "
+                "included) reduces gradients over dp itself")
 
 
 def hybrid_args(*, tp_size: int, pp_size: int, pp_style: str, precision: str,
@@ -135,12 +135,13 @@ def hybrid_args(*, tp_size: int, pp_size: int, pp_style: str, precision: str,
                 communication_dtype: object, scheduler_nodes: object,
                 gradient_checkpoint_config: object, parallel_output: bool,
                 make_vocab_size_divisible_by: int, inner_ring_size: Optional[int],
-                loss_scale: dict, tuning: dict) -> HybridColossalArgs:
+                loss_scale: dict, tuning: dict, plugin: str = "hybrid") -> HybridColossalArgs:
     """Validate Colossal-AI's extra ``HybridParallelPlugin`` arguments (no collectives).
 
     ``tuning`` holds the booleans that only tune Colossal-AI internals, by name
     (``enable_all_optimization`` ... ``overlap_allgather``, DDP's options); ``loss_scale``
-    the fp16 loss-scaling arguments (``loss_scale_args``).
+    the fp16 loss-scaling arguments (``loss_scale_args``). ``plugin``: the log-key prefix
+    (``MoeHybridParallelPlugin`` shares these arguments: ``colossal_args_moe``).
     """
     check_bools(parallel_output=parallel_output, **{k: v for k, v in tuning.items()
                                                      if k != "ddp_bucket_cap_mb"})
@@ -155,15 +156,15 @@ def hybrid_args(*, tp_size: int, pp_size: int, pp_style: str, precision: str,
         if inner_ring_size < 1:
             raise ValueError(f"inner_ring_size must be an int >= 1 or None, got {inner_ring_size}")
     bucket = _zero_bucket(reduce_bucket_size_in_m, zero_bucket_size_in_m)
-    _check_comm_dtype("hybrid", communication_dtype, precision)
+    _check_comm_dtype(plugin, communication_dtype, precision)
     if not parallel_output and tp_size > 1:
         raise ValueError(
             "parallel_output=False (gather the logits over tp) is not supported: the model's "
             "logits stay this rank's vocabulary slice and the HF loss is computed from the "
             "slices; use parallel_output=True (the default) or tp_size=1")
-    _check_scheduler_nodes(scheduler_nodes, pp_size, pp_style)
+    _check_scheduler_nodes(scheduler_nodes, pp_size, pp_style, plugin)
     ckpt = _check_ckpt_config(gradient_checkpoint_config)
-    _hybrid_tuning(tuning, make_vocab_size_divisible_by, inner_ring_size)
+    _hybrid_tuning(tuning, make_vocab_size_divisible_by, inner_ring_size, plugin)
     return HybridColossalArgs(reduce_bucket_size_in_m=bucket, loss_scale=loss_scale,
                               gradient_checkpoint_config=ckpt)
 
@@ -178,19 +179,20 @@ def _zero_bucket(reduce_bucket_size_in_m, zero_bucket_size_in_m) -> Optional[flo
     return zero_bucket_size_in_m
 
 
-def _check_scheduler_nodes(nodes: object, pp_size: int, pp_style: str) -> None:
+def _check_scheduler_nodes(nodes: object, pp_size: int, pp_style: str,
+                           plugin: str = "hybrid") -> None:
     if nodes is None:
         return
     if not isinstance(nodes, (list, tuple)):
         raise TypeError("scheduler_nodes must be a list (one list of schedule nodes per stage, "
                         f"PipelineGraph.get_v_schedule()) or None, got {type(nodes).__name__}")
     if pp_size > 1 and pp_style == "zbv":
-        log_info("hybrid", "scheduler_nodes",
+        log_info(plugin, "scheduler_nodes",
               "scheduler_nodes are not replayed: fp8boost runs torch.distributed.pipelining's "
               "ZBV schedule (ScheduleZBVZeroBubble: the same zero-bubble V placement, its own "
               "F/B/W order)")
     else:
-        log_info("hybrid", "scheduler_nodes", "scheduler_nodes are ignored: they are used only "
+        log_info(plugin, "scheduler_nodes", "scheduler_nodes are ignored: they are used only "
               "with pp_size > 1 and pp_style='zbv' (as in Colossal-AI)")
 
 
@@ -205,9 +207,10 @@ def _check_ckpt_config(config: object):
     return config
 
 
-def _hybrid_tuning(t: dict, vocab_div: int, inner_ring_size: Optional[int]) -> None:
+def _hybrid_tuning(t: dict, vocab_div: int, inner_ring_size: Optional[int],
+                   plugin: str = "hybrid") -> None:
     model_own = "fp8boost runs the model's own modules (SDPA attention, its normalization)"
-    log_tuning("hybrid", [
+    log_tuning(plugin, [
         ("enable_all_optimization", t["enable_all_optimization"], False, model_own),
         ("enable_fused_normalization", t["enable_fused_normalization"], False,
          "fp8boost runs the model's own normalization layers"),

@@ -43,6 +43,19 @@ logger = logging.getLogger("fp8boost.plugins")
 PIPELINE_ARGS = ("num_microbatches", "microbatch_size", "num_layers_per_stage")
 
 
+def check_custom_policy(custom_policy: object) -> None:
+    """``custom_policy`` is None, a ``TpPlan`` or a callable (``MoeHybridParallelPlugin`` too).
+
+    Raises:
+        TypeError: anything else.
+    """
+    if custom_policy is not None and not callable(custom_policy):
+        from fp8boost.parallel.tp import TpPlan
+        if not isinstance(custom_policy, TpPlan):
+            raise TypeError("custom_policy must be a fp8boost.parallel.tp.TpPlan or a function "
+                            f"model -> TpPlan, got {type(custom_policy).__name__}")
+
+
 def _check_int(name: str, value: object, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -200,11 +213,7 @@ class HybridParallelPlugin(Plugin):
         self.pipeline = check_pipeline_args(self.pp_size, zero_stage, num_microbatches,
                                             microbatch_size, pp_style, num_model_chunks,
                                             num_layers_per_stage)
-        if custom_policy is not None and not callable(custom_policy):
-            from fp8boost.parallel.tp import TpPlan
-            if not isinstance(custom_policy, TpPlan):
-                raise TypeError("custom_policy must be a fp8boost.parallel.tp.TpPlan or a function "
-                                f"model -> TpPlan, got {type(custom_policy).__name__}")
+        check_custom_policy(custom_policy)
         self.reduce_bucket_numel = check_bucket_size(self.colossal.reduce_bucket_size_in_m,
                                                      self.fp8_communication)
         self.zero_stage = zero_stage

@@ -40,8 +40,10 @@ def _check_sp_size(sp_size: object) -> Optional[int]:
 
 
 def check_sp_args(enabled: bool, mode: Optional[str], sp_size: Optional[int], tp_size: int,
-                  pp_size: int) -> tuple[Optional[str], int]:
+                  pp_size: int, plugin: str = "HybridParallelPlugin") -> tuple[Optional[str], int]:
     """Validate the sequence-parallel arguments; returns ``(mode or None, sp mesh size)``.
+
+    ``plugin`` names the caller in the INFO line (``MoeHybridParallelPlugin`` shares the rules).
 
     Raises:
         ValueError: a mode that does not exist here, sizes that contradict the mode, or
@@ -51,7 +53,7 @@ def check_sp_args(enabled: bool, mode: Optional[str], sp_size: Optional[int], tp
     if not enabled:
         if mode is not None:
             _state.log_once(logger, ("hybrid-sp-mode-ignored", mode),
-                            f"HybridParallelPlugin: sequence_parallelism_mode={mode!r} is ignored "
+                            f"{plugin}: sequence_parallelism_mode={mode!r} is ignored "
                             "because enable_sequence_parallelism=False (as in Colossal-AI)",
                             level=logging.INFO)
         if sp_size not in (None, 1):

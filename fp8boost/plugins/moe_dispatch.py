@@ -183,7 +183,6 @@ def expert_params(model: nn.Module) -> set[int]:
             for p in m.parameters(recurse=False)}
 
 
-
 @contextlib.contextmanager
 def whole_experts(modules: list[EpExperts]) -> Iterator[None]:
     """Inside the block each :class:`EpExperts`' Parameters hold all E experts (zeros but for
@@ -206,3 +205,24 @@ def whole_experts(modules: list[EpExperts]) -> Iterator[None]:
                 lo = m.ep_rank * m.local
                 local.copy_(p.data[lo:lo + m.local])
                 p.data = local
+
+
+@contextlib.contextmanager
+def gathered_experts(modules: list[EpExperts]) -> Iterator[None]:
+    """Inside the block each :class:`EpExperts`' Parameters hold all E experts, all-gathered
+    over its ep group (collective: every rank enters with the same modules, in order); on exit
+    each keeps its own experts again. For exports that read ``state_dict()`` (the tp export
+    of ``checkpoint_io/hybrid.py``): every rank holds the whole experts meanwhile."""
+    kept = []
+    with torch.no_grad():
+        for m in modules:
+            for name in m.names:
+                p = getattr(m, name)
+                full = m.full_param(name)
+                kept.append((p, p.data))
+                p.data = full
+    try:
+        yield
+    finally:
+        for p, local in kept:
+            p.data = local

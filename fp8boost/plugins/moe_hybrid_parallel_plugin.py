@@ -1,18 +1,16 @@
-"""MoeHybridParallelPlugin: expert parallelism (ep) x data parallelism for transformers MoE models.
+"""MoeHybridParallelPlugin: expert (ep) x tensor (tp) x data parallelism for HF MoE models.
 
-First version: ``world = dp x ep`` ranks, ``tp_size = pp_size = 1``, ``zero_stage`` 0/1/2
-(ZeRO over the moe-dp group: :meth:`MoeHybridParallelPlugin.wrap_optimizer`). Every rank
-holds the non-expert parameters whole (replicated; gradients averaged over all ranks) and
-``E/ep`` experts of every fused-expert MoE layer (:mod:`~fp8boost.plugins.moe_dispatch`); the
-ranks holding the same experts (the "moe dp" group, size ``world/ep``) average their expert
-gradients. Rank layout as Colossal-AI's ``moe_dp_outside=True``: the ep groups are runs of
-``ep`` consecutive ranks, the moe-dp groups take one rank of each run.
+``world = dp x tp`` ranks, ``dp = moe_dp x ep``, ``pp_size = 1``, ``zero_stage`` 0/1/2 (ZeRO over
+the moe-dp group: :meth:`MoeHybridParallelPlugin.wrap_optimizer`). Within a replica the tp
+ranks split attention, dense MLPs, embedding and LM head by ``HybridParallelPlugin``'s
+:class:`~fp8boost.parallel.tp.TpPlan` (``apply_tp``) and keep every MoE block (router,
+experts, shared experts) whole (``TpPlan.replicated_moe``); over ``ep`` the fused experts are
+sliced, ``E/ep`` per rank (:mod:`~fp8boost.plugins.moe_dispatch`), with the all-to-all
+dispatch over the ep group of the rank's tp index. Rank layout, groups and gradient scaling:
+:mod:`~fp8boost.plugins.moe_grads`.
 
-Gradient scaling: each rank's loss is the mean over its own batch, the reference is the mean
-over the global batch (``world`` equal batches). A non-expert gradient is averaged over the
-world. An expert's gradient on a rank already sums the contributions of every rank of its ep
-group (they reach it through the combine all-to-all's backward), so it is summed over the moe
-dp group and divided by the world size.
+Order of application: move/cast -> FP8 conversion -> broadcast from rank 0 -> tensor-parallel
+split -> expert slicing over ep -> optimizer wrapper.
 """
 from __future__ import annotations
 
@@ -27,13 +25,17 @@ from torch import nn
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .checkpoint_io.moe import MoeCheckpointIO
+from .colossal_args import loss_scale_args, make_scaler
+from .colossal_args_moe import check_moe_layout, moe_args
 from .distributed import broadcast_module
+from .grad_ckpt import apply_checkpointing, plan_checkpointing
+from .hybrid_parallel_plugin import check_custom_policy
+from .hybrid_sp import replica_groups
 from .moe_dispatch import EpExperts, expert_params, expert_spec_of, find_experts, shard_experts
-from .options import takes_plugin_options
+from .moe_grads import Stage0Optimizer, moe_groups, reduce_moe_gradients
+from .options import check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
-from .precision import make_loss_scaler
-
-_UNSUPPORTED = "supported: tp_size=1, pp_size=1, sp_size 1/None, moe_dp_outside=True"
+from .wrappers import DTYPES, ModelWrapper
 
 
 def _world_hint() -> int:
@@ -43,104 +45,138 @@ def _world_hint() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside) -> None:
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if tp_size != 1 or pp_size != 1 or sp_size not in (None, 1):
-        raise ValueError(f"MoeHybridParallelPlugin: tp_size={tp_size}, pp_size={pp_size}, "
-                         f"sp_size={sp_size} with expert parallelism is not implemented yet "
-                         f"({_UNSUPPORTED}); use HybridParallelPlugin for tp/pp on dense models")
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-        raise ValueError(f"MoeHybridParallelPlugin: zero_stage must be 0, 1 or 2, got "
-                         f"{zero_stage!r}")
-    if moe_dp_outside is not True:
-        raise ValueError(f"MoeHybridParallelPlugin: moe_dp_outside={moe_dp_outside!r} is not "
-                         f"implemented ({_UNSUPPORTED})")
-
-
-class Stage0Optimizer(ZeroOptimizer):
-    """``zero_stage=0``'s optimizer: the plugin reduces gradients after a synchronised
-    ``booster.backward``; after a plain ``loss.backward()`` (which no hook of stage 0 sees)
-    ``step()`` reduces them first, so training does not depend on which one the script called.
-    Collective-safe: every rank calls ``step()``."""
-
-    def __init__(self, optimizer, *, reduce_fn, **kwargs) -> None:
-        super().__init__(optimizer, **kwargs)
-        self.reduce_fn = reduce_fn
-        self.gradients_reduced = False
-
-    def step(self, closure=None) -> None:
-        if not self.gradients_reduced:
-            self.reduce_fn()
-        self.gradients_reduced = False
-        super().step(closure)
-
-
 @takes_plugin_options(positional=("tp_size", "pp_size", "ep_size", "sp_size", "precision",
                                   "zero_stage"))
 class MoeHybridParallelPlugin(Plugin):
-    """Expert parallelism over ``ep_size`` ranks x data parallelism over the rest.
+    """Expert parallelism over ``ep_size`` ranks x tensor parallelism x data parallelism.
+
+    Every argument of Colossal-AI v0.5.0's ``MoeHybridParallelPlugin`` is accepted
+    (``colossal_args_moe``): those shared with ``HybridParallelPlugin`` mean what they mean
+    there; Colossal-AI's internals (fused kernels, DDP, P2P tuning) log one INFO line.
 
     Args:
-        tp_size, pp_size: must be 1 in this version (ValueError otherwise).
-        ep_size: ranks an MoE layer's experts are split over; divides the world size and
-            every MoE layer's expert count.
-        sp_size: None or 1.
+        tp_size: tensor-parallel ranks per replica (consecutive ranks); as in
+            ``HybridParallelPlugin``, it must divide the attention heads, kv heads, dense FFN
+            size and vocabulary. The MoE blocks stay whole on the tp ranks.
+        pp_size: must be 1 (``ValueError`` otherwise: not implemented with experts).
+        ep_size: ranks an MoE layer's experts are split over; divides ``world / tp_size``
+            and every MoE layer's expert count.
+        sp_size: None or 1 (sequence parallelism is refused).
         zero_stage: 0 (whole optimizer state on every rank; gradients all-reduced), 1 or 2
-            (ZeRO over the moe-dp group, ``world/ep`` ranks: see :meth:`wrap_optimizer`).
-        precision: ``"bf16"`` (default), ``"fp16"`` or ``"fp32"`` (shared option).
-        use_fp8: FP8 GEMMs for linear layers and FP8 grouped-GEMM experts (``convert_to_fp8``).
+            (ZeRO over the moe-dp group, ``world/(ep x tp)`` ranks: see :meth:`wrap_optimizer`).
+        precision: ``"bf16"`` (default; Colossal-AI defaults to ``"fp16"``), ``"fp16"`` or
+            ``"fp32"``.
+        use_fp8: FP8 GEMMs for linear layers (on their tp shards) and FP8 grouped-GEMM experts.
         fp8_communication: the dispatch all-to-all carries e4m3 rows with one FP32 scale per
-            row (per token choice); the combine and every gradient all-to-all stay in their
-            dtype; gradients are all-reduced, and ZeRO's parameters all-gathered, in their
-            dtype (``comm_report`` is not filled in yet).
-        moe_dp_outside: only True (Colossal-AI's default layout).
+            row (per token choice); the combine, every gradient all-to-all, the gradient
+            reductions and ZeRO's gathers stay in their dtype.
+        moe_dp_outside: Colossal-AI's layout switch; with ``pp_size=1`` both values give the
+            same layout (``moe_grads``).
+        custom_policy, parallel_output, gradient_checkpoint_config, zero_bucket_size_in_m,
+            communication_dtype, min_scale, growth_factor, backoff_factor, max_scale,
+            hysteresis, cpu_offload: as in ``HybridParallelPlugin``.
+        overlap_communication: accepted; gradients are reduced after the backward (INFO when
+            True; Colossal-AI turns it off for MoE too).
+        enable_sequence_parallelism: True raises; sequence_parallelism_mode is then ignored
+            (INFO). num_microbatches, microbatch_size, pp_style, num_model_chunks,
+            num_layers_per_stage, scheduler_nodes: ignored at ``pp_size=1`` (INFO).
+        enable_all_optimization, enable_fused_normalization, enable_flash_attention,
+            enable_jit_fused, enable_metadata_cache, make_vocab_size_divisible_by,
+            overlap_p2p, overlap_allgather, broadcast_buffers, ddp_bucket_cap_mb,
+            find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph:
+            Colossal-AI's internals: a non-default value logs once what fp8boost does instead.
         **options: the shared plugin options (``max_norm``: the global norm over every
-            expert of every rank and the replicated parameters once).
+            expert of every rank, tp shards, and the replicated parameters once).
 
     Checkpoints (:mod:`~fp8boost.plugins.checkpoint_io.moe`): ``save_model`` writes the HF
-    layout with every expert (all-gathered over the ep group per parameter); ``load_model``
-    reads such a file (or ``save_pretrained``'s) at any ep size. ``save_optimizer`` writes one
-    re-shardable optimizer directory per ep rank (atomically, with checksums);
-    ``load_optimizer`` restores it exactly (master weights, moments, loss scaler) at any ep
-    size, dp size and ZeRO stage: each rank reads only the ranges of its own shards, an
-    expert's from the saved ep ranks that held it. ``save_checkpoint``/``load_checkpoint``
-    (model, optimizer, LR scheduler, ``extra``) and ``save_lr_scheduler`` work as for the
-    other plugins.
+    layout with every expert (all-gathered over ep) and every tp shard (gathered over tp);
+    ``load_model`` reads such a file (or ``save_pretrained``'s) at any ep and tp size.
+    Optimizer state (``save_optimizer``, in ``save_checkpoint``) is re-shardable over ep, dp and
+    ZeRO stage at ``tp_size=1``; with ``tp_size > 1`` it is refused (``ValueError``).
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
-        >>> plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2)  # doctest: +SKIP
+        >>> plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2)  # doctest: +SKIP
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
                  sp_size: Optional[int] = None, zero_stage: int = 0, *,
-                 moe_dp_outside: bool = True, **options) -> None:
+                 enable_all_optimization: bool = False, enable_fused_normalization: bool = False,
+                 enable_flash_attention: bool = False, enable_jit_fused: bool = False,
+                 enable_sequence_parallelism: bool = False,
+                 sequence_parallelism_mode: Optional[str] = None, parallel_output: bool = True,
+                 num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
+                 min_scale: float = 1, growth_factor: float = 2, backoff_factor: float = 0.5,
+                 hysteresis: int = 2, max_scale: float = 2 ** 32, broadcast_buffers: bool = True,
+                 ddp_bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, zero_bucket_size_in_m: Optional[float] = None,
+                 cpu_offload: bool = False, communication_dtype: Optional[torch.dtype] = None,
+                 overlap_communication: bool = False, custom_policy=None, pp_style: str = "1f1b",
+                 num_model_chunks: int = 1, scheduler_nodes=None,
+                 num_layers_per_stage: Optional[list] = None, gradient_checkpoint_config=None,
+                 enable_metadata_cache: bool = True, make_vocab_size_divisible_by: int = 64,
+                 moe_dp_outside: bool = True, overlap_p2p: bool = True,
+                 overlap_allgather: bool = False, **options) -> None:
         super().__init__(**options)
-        _check_sizes(tp_size, pp_size, ep_size, sp_size, zero_stage, moe_dp_outside)
+        check_moe_layout(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
+                         zero_stage=zero_stage, moe_dp_outside=moe_dp_outside)
+        self.colossal = moe_args(
+            tp_size=tp_size, pp_size=pp_size, sp_size=sp_size, precision=self.precision,
+            zero_stage=zero_stage, enable_sequence_parallelism=enable_sequence_parallelism,
+            sequence_parallelism_mode=sequence_parallelism_mode, parallel_output=parallel_output,
+            pipeline=dict(num_microbatches=num_microbatches, microbatch_size=microbatch_size,
+                          pp_style=pp_style, num_model_chunks=num_model_chunks,
+                          num_layers_per_stage=num_layers_per_stage),
+            zero_bucket_size_in_m=zero_bucket_size_in_m, communication_dtype=communication_dtype,
+            scheduler_nodes=scheduler_nodes, gradient_checkpoint_config=gradient_checkpoint_config,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            overlap_communication=overlap_communication, cpu_offload=cpu_offload,
+            loss_scale=loss_scale_args("moe_hybrid", self.precision, min_scale=min_scale,
+                                       growth_factor=growth_factor, backoff_factor=backoff_factor,
+                                       hysteresis=hysteresis, max_scale=max_scale),
+            tuning=dict(enable_all_optimization=enable_all_optimization,
+                        enable_fused_normalization=enable_fused_normalization,
+                        enable_flash_attention=enable_flash_attention,
+                        enable_jit_fused=enable_jit_fused, broadcast_buffers=broadcast_buffers,
+                        ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+                        find_unused_parameters=find_unused_parameters,
+                        check_reduction=check_reduction,
+                        gradient_as_bucket_view=gradient_as_bucket_view,
+                        static_graph=static_graph, enable_metadata_cache=enable_metadata_cache,
+                        overlap_p2p=overlap_p2p, overlap_allgather=overlap_allgather))
+        check_custom_policy(custom_policy)
         if self.fp8_reduce_scatter:  # a shared option this plugin has no FP8 path for yet
             raise ValueError("MoeHybridParallelPlugin(fp8_reduce_scatter=True) is not supported "
                              "yet: its gradients are all-reduced in their dtype; use "
                              "fp8_reduce_scatter=False (fp8_communication still puts the "
                              "token dispatch in FP8)")
-        self.ep_size, self.zero_stage = ep_size, zero_stage
-        self.moe_dp_outside = moe_dp_outside
+        self.reduce_bucket_numel = check_bucket_size(self.colossal.reduce_bucket_size_in_m,
+                                                     self.fp8_communication)
+        self.tp_size, self.ep_size, self.zero_stage = tp_size, ep_size, zero_stage
+        self.moe_dp_outside, self.custom_policy, self.cpu_offload = \
+            moe_dp_outside, custom_policy, cpu_offload
         self.ep_group = self.moe_dp_group = None
+        self.tp_state = self.input_guard = None
         self._expert_ids: set[int] = set()
         self._sync = True
 
     def __repr__(self) -> str:
-        return (f"MoeHybridParallelPlugin(ep_size={self.ep_size}, zero_stage={self.zero_stage}, "
-                f"precision={self.precision!r}, use_fp8={self.use_fp8}, "
-                f"fp8_communication={self.fp8_communication})")
+        return (f"MoeHybridParallelPlugin(tp_size={self.tp_size}, ep_size={self.ep_size}, "
+                f"zero_stage={self.zero_stage}, precision={self.precision!r}, "
+                f"use_fp8={self.use_fp8}, fp8_communication={self.fp8_communication})")
 
+    # ------------------------------------------------------------------ boost
     def validate(self, model: nn.Module, optimizer) -> None:
+        from fp8boost.parallel.tp import check_plan, resolve_plan
+        from fp8boost.parallel.tp.input_guard import debug_every_step
+
         super().validate(model, optimizer)
-        world, ep = _world_hint(), self.ep_size
-        if world % ep:
-            raise ValueError(f"ep_size={ep} does not divide the world size {world}: use an "
-                             "ep_size that divides the number of ranks")
+        world, ep, tp = _world_hint(), self.ep_size, self.tp_size
+        if world % (ep * tp):
+            raise ValueError(f"ep_size={ep} x tp_size={tp} does not divide the world size "
+                             f"{world}: use an ep_size and tp_size whose product divides the "
+                             "number of ranks")
         experts = find_experts(model)
         if ep > 1 and not experts:
             raise ValueError("ep_size > 1 but the model has no fused-expert MoE module "
@@ -150,25 +186,41 @@ class MoeHybridParallelPlugin(Plugin):
             if n % ep:
                 raise ValueError(f"ep_size={ep} does not divide the {n} experts of {name}: "
                                  "use an ep_size that divides the expert count")
+        self._debug_inputs = debug_every_step()
+        self._plan = resolve_plan(model, self.custom_policy) if tp > 1 else None
+        if self._plan is not None:
+            check_plan(model, self._plan, tp)  # before any collective
+        self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config)
 
-    def _build_groups(self) -> None:
-        world, rank, ep = dist.get_world_size(), dist.get_rank(), self.ep_size
-        for start in range(0, world, ep):  # every rank creates every group, in one order
-            group = dist.new_group(list(range(start, start + ep)))
-            if start <= rank < start + ep:
-                self.ep_group = group
-        for first in range(ep):
-            group = dist.new_group(list(range(first, world, ep)))
-            if rank % ep == first:
-                self.moe_dp_group = group
+    def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        """``gradient_checkpoint_config`` picks the decoder layers that recompute; then move
+        and cast (``Plugin.build_model``)."""
+        apply_checkpointing(model, self._ckpt_flags)
+        super().build_model(model, optimizer, device)
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        from fp8boost.parallel.tp import apply_tp
+        from fp8boost.parallel.tp.input_guard import ReplicaInputGuard
+
         broadcast_module(model, None)  # every rank starts from rank 0's full model
-        self._build_groups()
+        topo = self.topology(device)
+        self.ep_group, self.moe_dp_group = moe_groups(self.ep_size, self.tp_size)
+        if self._plan is not None:  # attention/dense MLPs split; MoE blocks stay whole
+            self.tp_state = apply_tp(model, self._plan, topo.group("tp"),
+                                     fp8_communication=self.fp8_communication)
         shard_experts(model, self.ep_group, fp8=self.fp8_communication)
         self._expert_ids = expert_params(model)
         self._model = model
+        groups = replica_groups(self, topo)  # the tp ranks of a replica read one batch
+        self.input_guard = ReplicaInputGuard(groups, device, self._debug_inputs) \
+            if groups else None
         return model
+
+    def wrap_model(self, module: nn.Module, optimizer) -> ModelWrapper:
+        wrapped = ModelWrapper(module, DTYPES[self.precision])
+        if self.input_guard is not None:
+            self.input_guard.attach(wrapped)
+        return wrapped
 
     def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
         """The optimizer wrapper; FP32 master weights unless ``fp32``.
@@ -176,13 +228,17 @@ class MoeHybridParallelPlugin(Plugin):
         ``zero_stage=0``: whole optimizer state on every rank, gradients reduced by
         :meth:`reduce_gradients` after each synchronised backward. ``zero_stage`` 1/2:
         ``ZeroOptimizer`` over the moe-dp group (master weights, optimizer state and, at
-        stage 2, gradients sharded dp ways). Before its reduction, each non-expert gradient
-        is averaged over the ep group (a post-accumulate hook, registered first) and each
-        expert gradient is divided by ep (a gradient hook), so its dp average is the world's.
-        The global gradient norm (``max_norm``) and the FP16 overflow flag span the ep group
-        (its ranks hold different experts); the replicated gradients count once."""
+        stage 2, gradients sharded moe-dp ways). Before its reduction, each non-expert
+        gradient is averaged over the ep group (a post-accumulate hook, registered first) and
+        each expert gradient is divided by ep (a gradient hook), so its moe-dp average is the
+        dp average. The global gradient norm (``max_norm``) and the FP16 overflow flag span
+        the tp group (tp shards; replicated parameters weighted 1/tp) and the ep group (its
+        ranks hold different experts; the non-expert parameters counted on ep rank 0 only)."""
+        topo = self.topology()
         shared = [] if dist.get_rank(self.ep_group) == 0 else \
             [p for p in model.parameters() if id(p) not in self._expert_ids]
+        sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
+        replicated = [p for n, p in model.named_parameters() if n not in sharded]
         zero = self.zero_stage > 0
         if zero and self.ep_size > 1:
             self._register_ep_hooks(model)
@@ -191,10 +247,12 @@ class MoeHybridParallelPlugin(Plugin):
         return cls(
             optimizer, **extra, dp_group=self.moe_dp_group if zero else None,
             stage=self.zero_stage if zero else 2, master_weights=self.precision != "fp32",
-            overlap_communication=False, max_norm=self.max_norm, pp_group=self.ep_group,
-            pp_counted_elsewhere=shared,
-            loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
-                                         self.growth_interval),
+            overlap_communication=False, reduce_bucket_numel=self.reduce_bucket_numel,
+            max_norm=self.max_norm, cpu_offload=self.cpu_offload,
+            tp_group=topo.group("tp") if self.tp_size > 1 else None, tp_replicated=replicated,
+            pp_group=self.ep_group, pp_counted_elsewhere=shared,
+            loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
+                                    self.colossal.loss_scale),
             fused_master_step=self.fused_master_step)
 
     def _register_ep_hooks(self, model: nn.Module) -> None:
@@ -215,24 +273,10 @@ class MoeHybridParallelPlugin(Plugin):
 
     # ------------------------------------------------------------------ gradients
     def reduce_gradients(self) -> None:
-        """Average gradients as the module docstring says (collective over every rank): one
-        flat all-reduce per (group, dtype), the expert gradients over the moe-dp group."""
-        world = dist.get_world_size()
-        buckets: dict[tuple, list[torch.Tensor]] = {}
-        for p in self._model.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:  # an expert that got no token here: its peers still reduce
-                p.grad = torch.zeros_like(p)
-            buckets.setdefault((id(p) in self._expert_ids, p.grad.dtype), []).append(p.grad)
-        for (expert, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.moe_dp_group if expert else None)
-            flat.div_(world)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        """Average gradients over dp (``moe_grads``; collective over every rank)."""
+        topo = self.topology()
+        reduce_moe_gradients(self._model.parameters(), self._expert_ids, topo.group("dp"),
+                             self.moe_dp_group, topo.dims.dp)
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         optimizer.backward(loss)
@@ -257,16 +301,18 @@ class MoeHybridParallelPlugin(Plugin):
         return id(param) in self._expert_ids
 
     def exact_weights(self, model: nn.Module) -> dict[int, torch.Tensor]:
-        """Every expert Parameter whole (all-gathered over the ep group): collective."""
+        """Every expert Parameter whole (all-gathered over the ep group): collective. Inside
+        ``moe_dispatch.gathered_experts`` they are whole already and are taken as they are."""
         out = super().exact_weights(model)
         for module in self.unwrap_model(model).modules():
             if isinstance(module, EpExperts):
                 for name in module.names:
-                    out[id(getattr(module, name))] = module.full_param(name)
+                    p = getattr(module, name)
+                    out[id(p)] = p.detach() if p.shape[0] == module.num_experts \
+                        else module.full_param(name)
         return out
 
     def get_checkpoint_io(self):
         """Checkpoint IO: HF-layout model files with every expert (save and load, at any
-        ep size); optimizer state per ep rank (see the class docstring)."""
+        ep and tp size); optimizer state per ep rank at ``tp_size=1``."""
         return MoeCheckpointIO(self)
-

@@ -40,6 +40,9 @@ def test_positional_calls_bind_by_colossal_order():
     assert (z.stage, z.precision, z.initial_scale) == (2, "bf16", 2.0 ** 16)
     g = colossal_plugins.GeminiPlugin(None, None, "static", True)  # ..., enable_grad_accumulation
     assert g.allow_no_sync is True
+    m = colossal_plugins.MoeHybridParallelPlugin(2, 1, 2, None, "fp32", 1)  # tp, pp, ep, sp, ...
+    assert (m.tp_size, m.ep_size, m.precision, m.zero_stage) == (2, 2, "fp32", 1)
+    assert isinstance(m, native.MoeHybridParallelPlugin)
     d = colossal_plugins.TorchDDPPlugin(False, 50)  # broadcast_buffers, bucket_cap_mb
     assert isinstance(d, native.TorchDDPPlugin)
     b = Booster("cpu", "bf16")  # device, mixed_precision, plugin

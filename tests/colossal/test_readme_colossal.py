@@ -52,9 +52,19 @@ TABLE = _table()
 SAMPLES = {"chunk_config_dict": {}, "chunk_init_device": torch.device("cpu"), "hidden_dim": 64,
            "memstats": object(), "inner_ring_size": 2, "scheduler_nodes": [[]],
            "auto_wrap_policy": (lambda *a, **k: False), "backward_prefetch": "BACKWARD_PRE",
-           "make_vocab_size_divisible_by": 128, "sync_module_states": True}
+           "make_vocab_size_divisible_by": 128, "sync_module_states": True,
+           # MoeHybridParallelPlugin's INFO arguments (pipeline options at pp_size=1, the mode
+           # without sequence parallelism)
+           "num_microbatches": 2, "microbatch_size": 2, "pp_style": "interleaved",
+           "num_layers_per_stage": [1, 1], "sequence_parallelism_mode": "all_to_all"}
 NEEDS = {"hysteresis": {"precision": "fp16"}, "parallel_output": {"tp_size": 2},
          "sequence_parallelism_mode": {"tp_size": 2, "enable_sequence_parallelism": True}}
+# MoeHybridParallelPlugin refuses sequence parallelism: its mode is INFO-ignored without it.
+NEEDS_OF = {"MoeHybridParallelPlugin": {"sequence_parallelism_mode": {}}}
+
+
+def _needs(plugin: str, name: str) -> dict:
+    return NEEDS_OF.get(plugin, {}).get(name, NEEDS.get(name, {}))
 
 
 def test_sed_line_is_the_whole_edit(tmp_path):
@@ -108,7 +118,7 @@ def test_info_arguments_log_one_line_naming_them(plugin, caplog):
         caplog.clear()
         value = _sample(name, params[name].default)
         with caplog.at_level(logging.INFO, logger="fp8boost"):
-            cls(**{**NEEDS.get(name, {}), name: value})
+            cls(**{**_needs(plugin, name), name: value})
         lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO
                  and name in r.getMessage()]
         assert len(lines) == 1, (plugin, name, value, [r.getMessage() for r in caplog.records])
@@ -125,7 +135,7 @@ def test_refused_examples_raise_value_error(plugin):
         name, text = example.split("=", 1)
         value = [nn.Linear(1, 1)] if text == "[...]" else _value(text)
         with pytest.raises(ValueError):
-            cls(**{**NEEDS.get(name, {}), name: value})
+            cls(**{**_needs(plugin, name), name: value})
     assert not dist.is_initialized()
 
 

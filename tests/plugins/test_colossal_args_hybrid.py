@@ -14,7 +14,7 @@ from fp8boost import _state
 from fp8boost.colossal.pipeline.schedule.v_schedule import PipelineGraph
 from fp8boost.colossal.shardformer import PipelineGradientCheckpointConfig
 from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
-                              TorchDDPPlugin, TorchFSDPPlugin)
+                              MoeHybridParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin)
 
 LOGGER = "fp8boost.plugins"
 #: Colossal-AI v0.5.0 __init__ parameter names.
@@ -42,6 +42,16 @@ COLOSSAL = {
         extra_dp_size enable_all_optimization enable_fused_normalization enable_flash_attention
         enable_sequence_parallelism enable_jit_fused enable_async_reduce use_fp8 verbose
         fp8_communication""",
+    MoeHybridParallelPlugin: """tp_size pp_size ep_size sp_size precision zero_stage
+        enable_all_optimization enable_fused_normalization enable_flash_attention
+        enable_jit_fused enable_sequence_parallelism sequence_parallelism_mode parallel_output
+        num_microbatches microbatch_size initial_scale min_scale growth_factor backoff_factor
+        growth_interval hysteresis max_scale max_norm broadcast_buffers ddp_bucket_cap_mb
+        find_unused_parameters check_reduction gradient_as_bucket_view static_graph
+        zero_bucket_size_in_m cpu_offload communication_dtype overlap_communication
+        custom_policy pp_style num_model_chunks scheduler_nodes num_layers_per_stage
+        gradient_checkpoint_config enable_metadata_cache make_vocab_size_divisible_by
+        moe_dp_outside overlap_p2p overlap_allgather fp8_communication use_fp8""",
     TorchDDPPlugin: """broadcast_buffers bucket_cap_mb find_unused_parameters check_reduction
         gradient_as_bucket_view static_graph fp8_communication""",
     TorchFSDPPlugin: """process_group sharding_strategy cpu_offload auto_wrap_policy

@@ -255,10 +255,15 @@ def test_moe_plugin_matches_one_process(world, tmp_path) -> None:
 def test_bad_arguments_raise_before_any_collective(monkeypatch) -> None:
     from fp8boost.booster import Booster
     from fp8boost.plugins import MoeHybridParallelPlugin
-    for kwargs in (dict(tp_size=2, ep_size=2), dict(pp_size=2), dict(zero_stage=3),
-                   dict(ep_size=0), dict(moe_dp_outside=False)):
-        with pytest.raises(ValueError, match="ep_size|tp_size|pp_size|zero_stage|moe_dp"):
+    for kwargs in (dict(tp_size=0, ep_size=2), dict(pp_size=2), dict(zero_stage=3),
+                   dict(ep_size=0), dict(enable_sequence_parallelism=True, tp_size=2),
+                   dict(sp_size=2)):
+        with pytest.raises(ValueError, match="ep_size|tp_size|pp_size|zero_stage|sequence|sp_size"):
             MoeHybridParallelPlugin(**kwargs)
+    with pytest.raises(TypeError, match="custom_policy"):
+        MoeHybridParallelPlugin(tp_size=2, custom_policy="llama")
+    # with pp_size=1 Colossal-AI's moe_dp_outside=False is the same rank layout: accepted
+    assert MoeHybridParallelPlugin(moe_dp_outside=False).moe_dp_outside is False
     with pytest.raises(ValueError, match=r"fp8_reduce_scatter=True\) is not supported"):
         MoeHybridParallelPlugin(ep_size=2, fp8_communication=True, fp8_reduce_scatter=True)
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -269,4 +274,11 @@ def test_bad_arguments_raise_before_any_collective(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match="does not divide the 4 experts"):
         Booster(plugin=MoeHybridParallelPlugin(ep_size=3, precision="fp32")).boost(model, opt)
+    with pytest.raises(ValueError, match="ep_size=2 x tp_size=2 does not divide the world size 6"):
+        Booster(plugin=MoeHybridParallelPlugin(ep_size=2, tp_size=2, precision="fp32")).boost(
+            model, opt)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="tp_size=8 must divide"):  # the tp plan's checks
+        Booster(plugin=MoeHybridParallelPlugin(ep_size=1, tp_size=8, precision="fp32")).boost(
+            model, opt)
     assert not dist.is_initialized()

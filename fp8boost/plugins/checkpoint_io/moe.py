@@ -2,7 +2,9 @@
 state per expert-parallel rank in the re-shardable optimizer format.
 
 Model files (``save_model`` / ``load_model``): the HF layout with all E experts of each layer
-(all-gathered over the ep group one Parameter at a time); they load at any ep size.
+(all-gathered over the ep group one Parameter at a time; with ``tp_size > 1`` all at once,
+then the tp shards are gathered as ``HybridParallelPlugin``'s export does); they load at any
+ep and tp size. Optimizer state with ``tp_size > 1`` is refused (``ValueError``).
 
 Optimizer directory (``save_optimizer``; also ``optimizer/`` inside ``save_checkpoint``)::
 
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from fp8boost.plugins.moe_dispatch import EpExperts, whole_experts
+from fp8boost.plugins.moe_dispatch import EpExperts, gathered_experts, whole_experts
 
 from . import coordination as coord
 from .atomic import atomic_save_dir, require
@@ -74,13 +76,50 @@ class MoeCheckpointIO(GeneralCheckpointIO):
 
     state_format = "fp8boost-moe-v1"  # resumable directories: the optimizer part differs
 
+    def _experts(self, model: nn.Module) -> list[EpExperts]:
+        return [m for m in self.plugin.unwrap_model(model).modules() if isinstance(m, EpExperts)]
+
+    def _write_model_into(self, model, directory: str, shard: bool, size_mb: float) -> None:
+        """With ``tp_size > 1``: every rank holds its experts whole for the export (gathered
+        over ep), then ``HybridParallelPlugin``'s export gathers the tp shards onto rank 0."""
+        if self.plugin.tp_size == 1:
+            return super()._write_model_into(model, directory, shard, size_mb)
+        from .hybrid import write_hf_gathered
+        if coord.rank(self.group) == 0:
+            os.makedirs(directory, exist_ok=True)
+        with gathered_experts(self._experts(model)):
+            write_hf_gathered(self.plugin, model, directory, shard, size_mb)
+
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
         verify_checksums(os.fspath(path), self.group)
-        experts = [m for m in self.plugin.unwrap_model(model).modules()
-                   if isinstance(m, EpExperts)]
-        with whole_experts(experts):
-            read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
+        with whole_experts(self._experts(model)):
+            if self.plugin.tp_size > 1:  # each rank reads its tp slices (experts whole)
+                from .hybrid import read_hf_sliced
+                read_hf_sliced(self.plugin, model, os.fspath(path), strict)
+            else:
+                read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
         self.plugin.after_load_model(model)
+
+    def _check_no_tp(self, what: str) -> None:
+        """Optimizer state under tp is not written yet: refuse before any collective."""
+        if self.plugin.tp_size > 1:
+            raise ValueError(
+                f"MoeHybridParallelPlugin: {what} with tp_size={self.plugin.tp_size} is not "
+                "implemented (the optimizer format holds one ep rank's state per directory, "
+                "not tp shards); save the model (booster.save_model, or save_checkpoint "
+                "without an optimizer) or train with tp_size=1 to checkpoint the optimizer")
+
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
+                        extra: Optional[dict] = None) -> None:
+        if optimizer is not None:
+            self._check_no_tp("save_checkpoint with an optimizer")
+        super().save_checkpoint(path, model, optimizer, lr_scheduler, extra)
+
+    def load_checkpoint(self, path: str, model: nn.Module, optimizer=None,
+                        lr_scheduler=None) -> dict:
+        if optimizer is not None:
+            self._check_no_tp("load_checkpoint with an optimizer")
+        return super().load_checkpoint(path, model, optimizer, lr_scheduler)
 
     # ------------------------------------------------------------------ optimizer
     def _topology(self) -> dict:
@@ -91,6 +130,7 @@ class MoeCheckpointIO(GeneralCheckpointIO):
 
     def save_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
+        self._check_no_tp("save_optimizer")
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
                         (MOE_OPTIM_INDEX,))
 
@@ -120,6 +160,7 @@ class MoeCheckpointIO(GeneralCheckpointIO):
 
     def load_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
+        self._check_no_tp("load_optimizer")
         path = os.fspath(path)
         saved_ep = self._saved_ep_size(path)  # every rank raises alike, before any collective
         verify_checksums(path, self.group)

@@ -1,4 +1,4 @@
-"""``colossalai.booster.plugin``: fp8boost's five plugins under Colossal-AI's path.
+"""``colossalai.booster.plugin``: fp8boost's six plugins under Colossal-AI's path.
 
 Each is fp8boost's own plugin class with Colossal-AI's positional order
 (:func:`fp8boost.colossal.positional.with_colossal_order`; the orders are Colossal-AI v0.5.0's,
@@ -45,6 +45,18 @@ ORDERS = MappingProxyType({
         "gradient_checkpoint_config", "enable_metadata_cache", "make_vocab_size_divisible_by",
         "dp_outside", "overlap_p2p", "overlap_allgather", "fp8_communication", "use_fp8",
         "inner_ring_size"),
+    "MoeHybridParallelPlugin": (
+        "tp_size", "pp_size", "ep_size", "sp_size", "precision", "zero_stage",
+        "enable_all_optimization", "enable_fused_normalization", "enable_flash_attention",
+        "enable_jit_fused", "enable_sequence_parallelism", "sequence_parallelism_mode",
+        "parallel_output", "num_microbatches", "microbatch_size", "initial_scale", "min_scale",
+        "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "max_scale",
+        "max_norm", "broadcast_buffers", "ddp_bucket_cap_mb", "find_unused_parameters",
+        "check_reduction", "gradient_as_bucket_view", "static_graph", "zero_bucket_size_in_m",
+        "cpu_offload", "communication_dtype", "overlap_communication", "custom_policy",
+        "pp_style", "num_model_chunks", "scheduler_nodes", "num_layers_per_stage",
+        "gradient_checkpoint_config", "enable_metadata_cache", "make_vocab_size_divisible_by",
+        "moe_dp_outside", "overlap_p2p", "overlap_allgather", "fp8_communication", "use_fp8"),
     "TorchDDPPlugin": (
         "broadcast_buffers", "bucket_cap_mb", "find_unused_parameters", "check_reduction",
         "gradient_as_bucket_view", "static_graph", "fp8_communication"),
@@ -70,10 +82,8 @@ HybridParallelPlugin = with_colossal_order(_plugins.HybridParallelPlugin,
                                            ORDERS["HybridParallelPlugin"])
 TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
 TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"])
-# Exported plainly (no Colossal-AI positional order, no ORDERS entry): its signature holds
-# Colossal-AI's leading names (tp_size, pp_size, ep_size, sp_size, precision, zero_stage) in
-# their order, keyword-only the rest, but not yet all of Colossal-AI's arguments.
-MoeHybridParallelPlugin = _plugins.MoeHybridParallelPlugin
+MoeHybridParallelPlugin = with_colossal_order(_plugins.MoeHybridParallelPlugin,
+                                              ORDERS["MoeHybridParallelPlugin"])
 
 __all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
            "HybridParallelPlugin", "MoeHybridParallelPlugin", "ORDERS", "DEFAULTS"]
