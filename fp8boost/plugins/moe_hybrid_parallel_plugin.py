@@ -91,8 +91,9 @@ class MoeHybridParallelPlugin(Plugin):
     Checkpoints (:mod:`~fp8boost.plugins.checkpoint_io.moe`): ``save_model`` writes the HF
     layout with every expert (all-gathered over ep) and every tp shard (gathered over tp);
     ``load_model`` reads such a file (or ``save_pretrained``'s) at any ep and tp size.
-    Optimizer state (``save_optimizer``, in ``save_checkpoint``) is re-shardable over ep, dp and
-    ZeRO stage at ``tp_size=1``; with ``tp_size > 1`` it is refused (``ValueError``).
+    Optimizer state (``save_optimizer``, in ``save_checkpoint``: one directory per ep rank and
+    tp rank) is re-shardable over ep, dp and ZeRO stage; loading it at another tp size raises
+    ``ValueError``.
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
@@ -314,5 +315,5 @@ class MoeHybridParallelPlugin(Plugin):
 
     def get_checkpoint_io(self):
         """Checkpoint IO: HF-layout model files with every expert (save and load, at any
-        ep and tp size); optimizer state per ep rank at ``tp_size=1``."""
+        ep and tp size); optimizer state per ep (and tp) rank."""
         return MoeCheckpointIO(self)

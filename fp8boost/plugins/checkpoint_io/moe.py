@@ -58,9 +58,11 @@ MOE_OPTIM_INDEX = "moe_optimizer.index.json"
 MOE_OPTIM_FORMAT = "fp8boost-moe-optimizer-v1"
 
 
-def ep_subdir(ep_rank: int, ep_size: int) -> str:
-    """The sub-directory holding ep rank ``ep_rank``'s optimizer state."""
-    return f"ep{ep_rank:05d}-of-{ep_size:05d}"
+def ep_subdir(ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """The sub-directory holding ep rank ``ep_rank``'s optimizer state (and, with
+    ``tp_size > 1``, tp rank ``tp_rank``'s: its tp shards of the non-expert parameters)."""
+    tp = f"-tp{tp_rank:05d}-of-{tp_size:05d}" if tp_size > 1 else ""
+    return f"ep{ep_rank:05d}-of-{ep_size:05d}{tp}"
 
 
 class MoeCheckpointIO(GeneralCheckpointIO):
@@ -100,37 +102,22 @@ class MoeCheckpointIO(GeneralCheckpointIO):
                 read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)
         self.plugin.after_load_model(model)
 
-    def _check_no_tp(self, what: str) -> None:
-        """Optimizer state under tp is not written yet: refuse before any collective."""
-        if self.plugin.tp_size > 1:
-            raise ValueError(
-                f"MoeHybridParallelPlugin: {what} with tp_size={self.plugin.tp_size} is not "
-                "implemented (the optimizer format holds one ep rank's state per directory, "
-                "not tp shards); save the model (booster.save_model, or save_checkpoint "
-                "without an optimizer) or train with tp_size=1 to checkpoint the optimizer")
-
-    def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
-                        extra: Optional[dict] = None) -> None:
-        if optimizer is not None:
-            self._check_no_tp("save_checkpoint with an optimizer")
-        super().save_checkpoint(path, model, optimizer, lr_scheduler, extra)
-
-    def load_checkpoint(self, path: str, model: nn.Module, optimizer=None,
-                        lr_scheduler=None) -> dict:
-        if optimizer is not None:
-            self._check_no_tp("load_checkpoint with an optimizer")
-        return super().load_checkpoint(path, model, optimizer, lr_scheduler)
-
     # ------------------------------------------------------------------ optimizer
     def _topology(self) -> dict:
         """This run's layout, as the index records it."""
         plugin = self.plugin
         return {"ep_size": plugin.ep_size, "dp_size": dist.get_world_size(plugin.moe_dp_group),
-                "world_size": dist.get_world_size(), "zero_stage": plugin.zero_stage}
+                "world_size": dist.get_world_size(), "zero_stage": plugin.zero_stage,
+                "tp_size": plugin.tp_size}
+
+    def _subdir(self, ep_rank: int, ep_size: int) -> str:
+        """``ep_subdir`` for this rank's tp rank (tp ranks hold different non-expert shards)."""
+        st = self.plugin.tp_state
+        return ep_subdir(ep_rank, ep_size, st.rank if st is not None else 0,
+                         self.plugin.tp_size)
 
     def save_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
-        self._check_no_tp("save_optimizer")
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
                         (MOE_OPTIM_INDEX,))
 
@@ -138,8 +125,9 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         check_optimizer(optimizer)
         plugin = self.plugin
         ep_rank = dist.get_rank(plugin.ep_group)
-        sub = os.path.join(directory, ep_subdir(ep_rank, plugin.ep_size))
-        # One writer group per ep rank: its moe-dp ranks holding a ZeRO shard, else the first.
+        sub = os.path.join(directory, self._subdir(ep_rank, plugin.ep_size))
+        # One writer group per (ep, tp) rank: its moe-dp ranks holding a ZeRO shard, else the
+        # first.
         is_writer = (optimizer.shard_world_size > 1
                      or dist.get_rank(plugin.moe_dp_group) == 0)
 
@@ -149,7 +137,9 @@ class MoeCheckpointIO(GeneralCheckpointIO):
             if coord.rank(self.group) == 0:
                 os.makedirs(directory, exist_ok=True)
                 meta = {"format": MOE_OPTIM_FORMAT, **self._topology(),
-                        "subdirs": [ep_subdir(e, plugin.ep_size) for e in range(plugin.ep_size)]}
+                        "subdirs": [ep_subdir(e, plugin.ep_size, t, plugin.tp_size)
+                                    for e in range(plugin.ep_size)
+                                    for t in range(plugin.tp_size)]}
                 with open(os.path.join(directory, MOE_OPTIM_INDEX), "w") as f:
                     json.dump(meta, f, indent=1)
 
@@ -160,7 +150,6 @@ class MoeCheckpointIO(GeneralCheckpointIO):
 
     def load_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
-        self._check_no_tp("load_optimizer")
         path = os.fspath(path)
         saved_ep = self._saved_ep_size(path)  # every rank raises alike, before any collective
         verify_checksums(path, self.group)
@@ -168,10 +157,10 @@ class MoeCheckpointIO(GeneralCheckpointIO):
             self._read_resplit(optimizer, [path], path)
         elif saved_ep == self.plugin.ep_size:
             ep_rank = dist.get_rank(self.plugin.ep_group)
-            read_optimizer(optimizer, os.path.join(path, ep_subdir(ep_rank, saved_ep)),
+            read_optimizer(optimizer, os.path.join(path, self._subdir(ep_rank, saved_ep)),
                            self.group)
         else:
-            self._read_resplit(optimizer, [os.path.join(path, ep_subdir(e, saved_ep))
+            self._read_resplit(optimizer, [os.path.join(path, self._subdir(e, saved_ep))
                                            for e in range(saved_ep)], path)
 
     def _saved_ep_size(self, path: str) -> Optional[int]:
@@ -184,6 +173,7 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         """
         if not os.path.exists(os.path.join(path, MOE_OPTIM_INDEX)) and os.path.exists(
                 os.path.join(path, OPTIM_INDEX)):
+            self._check_saved_tp(path, 1)  # another plugin's: whole tensors, as at tp 1
             return None
         require(path, "MoE optimizer", MOE_OPTIM_INDEX)
         with open(os.path.join(path, MOE_OPTIM_INDEX)) as f:
@@ -191,7 +181,22 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         if meta.get("format") != MOE_OPTIM_FORMAT:
             raise ValueError(f"{path} has MoE optimizer format {meta.get('format')!r}, expected "
                              f"{MOE_OPTIM_FORMAT!r}")
+        self._check_saved_tp(path, meta.get("tp_size", 1))
         return meta["ep_size"]
+
+    def _check_saved_tp(self, path: str, saved_tp: int) -> None:
+        """Optimizer state re-splits over ep, dp and ZeRO stage, not over tp (no collective).
+
+        Raises:
+            ValueError: ``path`` was saved at another tp size than this run's.
+        """
+        tp = self.plugin.tp_size
+        if saved_tp != tp:
+            raise ValueError(
+                f"optimizer checkpoint {path} was saved at tp_size={saved_tp}, this run has "
+                f"tp_size={tp}: MoeHybridParallelPlugin's optimizer state re-splits over "
+                "ep_size, dp size and zero_stage but not over tp; resume with "
+                f"tp_size={saved_tp} (booster.load_model loads the model at any tp size)")
 
     def _read_resplit(self, optimizer, subs: list[str], path: str) -> None:
         """Load optimizer directories ``subs`` saved by ep ranks ``0..len(subs)-1`` of another
