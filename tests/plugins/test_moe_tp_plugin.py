@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fp8boost.colossal.shardformer import GradientCheckpointConfig
 from tests.dist_utils import run_distributed
 from tests.plugins.test_moe_plugin import GLOBAL, LR, STEPS, batch, reference, tiny
 
@@ -48,12 +49,16 @@ CASES = {  # name -> (family, precision, fp8, zero_stage, extra plugin keywords)
     "bf16 qwen3 zero1 offload": ("qwen3_moe", "bf16", False, 1, {"cpu_offload": True}),
     "fp8 mixtral zero0": ("mixtral", "fp32", True, 0, {}),
     "fp8 qwen3 zero1": ("qwen3_moe", "fp32", True, 1, {}),
+    # the first of the 2 decoder layers recomputes in backward (its all-to-alls run again)
+    "fp32 mixtral zero0 grad-ckpt": ("mixtral", "fp32", False, 0, {
+        "gradient_checkpoint_config": GradientCheckpointConfig(gradient_checkpointing_ratio=0.5)}),
 }
 TOLERANCES = {"fp32": (1e-5, 1e-5), "bf16": (1e-3, 0.03), "fp8": (2e-3, 0.5)}
 MEASURED = {  # case -> (loss rel, weight rel), from a run of this test (printed with -s)
     "fp32 mixtral zero0": (9.8e-08, 4.5e-07), "fp32 qwen3 zero1 clip": (2.0e-07, 8.1e-08),
     "bf16 mixtral zero2": (6.7e-05, 9.6e-03), "bf16 qwen3 zero1 offload": (3.8e-05, 1.2e-02),
     "fp8 mixtral zero0": (1.3e-03, 0.36), "fp8 qwen3 zero1": (1.0e-03, 0.26),
+    "fp32 mixtral zero0 grad-ckpt": (9.8e-08, 4.5e-07),
 }
 # Dividing the stage-0 gradients by the world (4) instead of dp (2), i.e. counting the tp
 # ranks as replicas, fails the fp32/fp8 zero0 cases (loss rel 9e-3, weight rel 0.5 / 0.77).
@@ -80,8 +85,12 @@ def train(rank: int, world: int, case: str, save_dir: str) -> list[float]:
     plugin = _plugin(precision, fp8, zero, extra)
     booster = Booster(plugin=plugin)
     model = tiny(family)
+    if "gradient_checkpoint_config" in extra:
+        model.gradient_checkpointing_enable()
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
     raw = model.unwrap()
+    if "gradient_checkpoint_config" in extra:
+        assert [layer.gradient_checkpointing for layer in raw.model.layers] == [True, False]
     full_q = tiny(family).model.layers[0].self_attn.q_proj.weight.shape[0]
     assert raw.model.layers[0].self_attn.q_proj.weight.shape[0] == full_q // TP  # tp split
     experts = [m for m in raw.modules() if isinstance(m, EpExperts)]
