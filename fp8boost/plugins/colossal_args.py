@@ -2,7 +2,8 @@
 
 One function per plugin (``hybrid_args``, ``low_level_zero_args``, ``ddp_args``;
 ``GeminiPlugin``'s: ``colossal_args_gemini.gemini_args``; ``TorchFSDPPlugin``'s FSDP1 objects:
-``colossal_args_fsdp``). Each checks the types,
+``colossal_args_fsdp``; ``MoeHybridParallelPlugin``'s: ``colossal_args_moe.moe_args``, which
+reuses ``hybrid_args``). Each checks the types,
 raises ``ValueError`` naming the fp8boost alternative for what fp8boost does not support, and
 logs once per process (``fp8boost._state.log_once``, INFO, key ``"colossal-args.<plugin>.<arg>"``)
 what fp8boost does instead when a value that tunes Colossal-AI internals is passed.
