@@ -97,3 +97,95 @@ def test_fp8_experts_on_cuda_match_hf_bf16_and_print_speed():
         times[name] = (time.perf_counter() - t0) / 10 * 1e3
     print(f"\nQwen3-MoE experts (E 32, k 8, h 2048, i 768, T {t}) fwd+bwd ms: {times} "
           f"-> fp8 {times['bf16_grouped_mm'] / times['fp8']:.2f}x bf16")
+
+
+def _cuda_expert_inputs(step: int, t: int, e: int, k: int, h: int):
+    """Tokens with an outlier and a routing that changes with ``step`` (a crowded expert)."""
+    g = torch.Generator(device="cuda").manual_seed(step)
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    x[step, 3] = 60.0
+    idx = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(t)])
+    idx[: t // 4, 0] = step % e
+    idx[: t // 4, 1:] = (step % e + 1 + torch.arange(k - 1, device="cuda")) % e  # no repeats
+    w = torch.rand(t, k, device="cuda", generator=g).softmax(-1).bfloat16()
+    return x, idx, w
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
+    """Compiled scaled_grouped_mm experts vs eager: casts in torch ops (inductor fuses them)
+    against eager's Triton casts (the same bytes by design), the same GEMM (aot_eager) or
+    inductor's lowering of it (another accumulation order, BF16 out): rel 1e-2 as above."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    e, k, h = 16, 4, 512
+    cfg = transformers.Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=256, num_experts=e,
+                                      num_experts_per_tok=k)
+    torch.manual_seed(0)
+    hf = Qwen3MoeExperts(cfg).cuda().bfloat16()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="auto"))
+    assert fp8.options(torch.device("cuda")).backend == "scaled_grouped_mm"
+    ref = copy.deepcopy(fp8)
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend(backend)
+    compiled = torch.compile(fp8, backend=cnt, fullgraph=True)  # a graph break raises
+    for step, t in enumerate((1024, 1024, 1024, 600, 1400)):
+        x, idx, w = _cuda_expert_inputs(step, t, e, k, h)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [compiled(xs[0], idx, w), ref(xs[1], idx, w)]
+        dy = torch.randn_like(ys[1])
+        for y in ys:
+            y.backward(dy)
+        pairs = [("y", *ys), ("dx", xs[0].grad, xs[1].grad)]
+        pairs += [(n, p.grad, q.grad) for (n, p), q in zip(fp8.named_parameters(),
+                                                           ref.parameters())]
+        for name, got, want in pairs:
+            assert torch.isfinite(got).all(), (step, name)
+            assert rel(got, want) < 1e-2, (step, name, rel(got, want))
+        for p in (*fp8.parameters(), *ref.parameters()):
+            p.grad = None
+        # Three routings at one token count: one graph; a new count: one recompile (automatic
+        # dynamic), then the dynamic graph serves every count.
+        assert cnt.frame_count == (1 if step < 3 else 2), (step, cnt.frame_count)
+
+
+def test_compile_blocks_of_an_fp8_moe_model_on_cuda_keep_one_graph():
+    """compile_blocks (inductor) on a tiny Mixtral with FP8 experts and linears on the GPU: no
+    graph break, one graph for both blocks over steps with new routings, eager's loss."""
+    from torch._dynamo.utils import counters
+
+    from fp8boost.compile import compile_blocks
+    from fp8boost.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=128, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.MixtralForCausalLM(cfg).cuda().bfloat16()
+    convert_to_fp8(model, Fp8Config(backend="auto", min_numel=0))
+    ref = copy.deepcopy(model)
+    ref.config.use_cache = False
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, backend="inductor", fullgraph=True)
+    for step in range(3):
+        ids = torch.randint(0, 128, (4, 64), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(step))
+        losses = [m(input_ids=ids, labels=ids).loss for m in (model, ref)]
+        for loss in losses:
+            loss.backward()
+        assert abs(losses[0].item() - losses[1].item()) < 1e-2 * abs(losses[1].item())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if q.grad is not None:
+                assert rel(p.grad, q.grad) < 5e-2, (step, name, rel(p.grad, q.grad))
+        model.zero_grad()
+        ref.zero_grad()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

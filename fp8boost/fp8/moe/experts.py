@@ -13,6 +13,15 @@ own activation in high precision, one grouped FP8 GEMM for down, and the routing
 over each token's k choices (in the product's dtype, then cast to the input's, as
 transformers' ``grouped_mm`` experts do). Expert ids outside ``[0, E)`` (HF's expert-parallel
 sentinel) contribute nothing, as in HF's loop.
+
+``torch.compile`` (e.g. ``fp8boost.compile.compile_blocks``): the whole forward, routing,
+both grouped GEMMs with their backward, and the combine, traces into the block's graph with
+no graph break and no host sync. Shapes depend on the token count alone (the routing pads to a
+bound, :mod:`~fp8boost.fp8.moe.routing`), so new routings reuse the graph; a new token count
+recompiles once (dynamo then marks it dynamic). The options (backend probe, one-time logs,
+which take a lock dynamo cannot trace) are resolved at construction and on ``.to()``, never in
+a traced forward (:meth:`Fp8Experts.resolve_options`). Measured on CPU (tests/fp8/
+test_moe_compile.py): ``aot_eager`` is bit-identical to eager; ``inductor`` within an FP32 ulp.
 """
 from __future__ import annotations
 
@@ -82,6 +91,8 @@ class Fp8Experts(nn.Module):
         if isinstance(act, nn.Module):
             self.act_fn = act
         self.train(hf_module.training)
+        self._grouped_options: Optional[tuple[torch.device, GroupedOptions]] = None
+        self.resolve_options()
 
     def __getattr__(self, name: str):
         try:
@@ -107,11 +118,43 @@ class Fp8Experts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)  # HF's own experts loop: act(gate) * up
         return self.hf_module.act_fn(gate) * up
 
+    def resolve_options(self, device: Optional[torch.device] = None
+                        ) -> Optional[GroupedOptions]:
+        """The grouped GEMMs' options for inputs on ``device``, resolved once, then kept.
+
+        Without ``device``: resolve now where the weights' device decides the backend (CUDA
+        weights, or the emulated backend off the meta device), else None (CPU weights under
+        ``auto``: the model may still move). Called at construction and on every ``.to()`` /
+        ``.cuda()``, so that a compiled forward finds the options already there: resolved in a
+        traced forward, the backend probe and the one-time log (a lock) break the graph, and
+        storing the result changes an attribute dynamo guards on (one recompile). That is
+        left only to CPU weights under ``auto`` (they run emulated, with a warning): their
+        first forward resolves, and compiled, breaks once at that warning.
+        """
+        if device is None:
+            dev = getattr(self, self.spec.gate_up).device
+            if dev.type == "meta" or (dev.type != "cuda" and
+                                      self.fp8_config.backend != "emulated"):
+                return None
+            device = dev
+        cached = self._grouped_options
+        if cached is None or cached[0] != device:
+            cfg = self.fp8_config
+            opts = GroupedOptions(scale_options(cfg), resolve_backend(cfg, device),
+                                  cfg.fast_accum_fprop, cfg.fast_accum_dgrad,
+                                  cfg.fast_accum_wgrad)
+            self._grouped_options = cached = (device, opts)
+        return cached[1]
+
     def options(self, device: torch.device) -> GroupedOptions:
         """The grouped GEMMs' options on ``device`` (backend resolved once per device)."""
-        cfg = self.fp8_config
-        return GroupedOptions(scale_options(cfg), resolve_backend(cfg, device),
-                              cfg.fast_accum_fprop, cfg.fast_accum_dgrad, cfg.fast_accum_wgrad)
+        return self.resolve_options(torch.device(device))
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / to_empty(): the weights may now sit on the device that decides.
+        out = super()._apply(fn, *args, **kwargs)
+        self.resolve_options()
+        return out
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,11 @@ For expert ``e`` and its rows ``x_e`` (``W [E, N, K]``, the HF layout):
 Forward saves ``x^T`` in FP8 (1 byte/element) when the weight needs a gradient, and the
 Parameter itself (kept anyway), re-quantized along N in backward. Rows of no expert (padding,
 tail) come out as zeros. Outputs and gradients come back in the dtypes of their inputs.
+
+Under ``torch.compile`` dynamo traces this function's forward and backward into the graph
+(the :class:`Routing` and :class:`GroupedOptions` it takes are frozen dataclasses: the
+routing's tensors become graph inputs, the options constants). Nothing here reads a tensor on
+the host, so nothing breaks the graph.
 """
 from __future__ import annotations
 

@@ -23,6 +23,13 @@ emulated with a warning saying why.
 The emulated path dequantizes to FP32 and runs ``torch._grouped_mm`` (CPU, FP32: torch 2.13
 has a CPU kernel) or, on other devices (whose ``_grouped_mm`` takes BF16 only), one batched
 matmul over experts padded to the largest group.
+
+Compile: the emulated GEMMs are custom ops (``fp8boost::moe_emulated_mm`` and ``_wgrad``,
+with fake implementations), opaque to ``torch.compile``. Traced inline they could not compile:
+``torch._grouped_mm``'s meta function takes BF16 only (the FP32 CPU kernel exists, its fake
+tensor check refuses it: an error under ``fullgraph``, else a graph break), and the padded
+``bmm`` reads the largest group size on the host (``.item()``). Eager and compiled runs call
+the same kernels on the same bytes. ``torch._scaled_grouped_mm`` traces as it is.
 """
 from __future__ import annotations
 
@@ -54,7 +61,8 @@ def emulated_mm(a, a_inv, b, b_inv, offsets, group, local,
     """``grouped_mm`` emulated: dequantize to FP32, multiply each row by its expert's weight.
 
     ``grouped``: use ``torch._grouped_mm`` (FP32; the default on CPU) or, False, one batched
-    matmul over experts padded to the largest group (the default elsewhere).
+    matmul over experts padded to the largest group (the default elsewhere). Runs as the custom
+    op ``fp8boost::moe_emulated_mm`` (see the module docstring: compile).
 
     Example:
         >>> from fp8boost.fp8.moe.routing import route
@@ -66,20 +74,45 @@ def emulated_mm(a, a_inv, b, b_inv, offsets, group, local,
         >>> tuple(out.shape), out[r.pos[0], 0].item()
         ((32, 32), 16.0)
     """
-    da = a.float() * a_inv.view(-1, 1)
-    db = b.float() * b_inv.unsqueeze(-1)
-    if _use_grouped_mm(da, grouped):
-        return torch._grouped_mm(da, db.transpose(-2, -1), offs=offsets)
-    e = db.shape[0]
-    dense = _dense(da, group, local, e)
-    db = torch.cat([db, db.new_zeros(1, *db.shape[1:])])
-    return torch.bmm(dense, db.transpose(1, 2))[group, local]
+    return _emulated_mm_op(a, a_inv, b, b_inv, offsets, group, local,
+                           _use_grouped_mm(a, grouped))
 
 
 def emulated_mm_wgrad(a, a_inv, b, b_inv, offsets, group, local,
                       grouped: Optional[bool] = None) -> torch.Tensor:
     """``grouped_mm_wgrad`` emulated: dequantize to FP32, one product per expert group
-    (``grouped`` as in :func:`emulated_mm`)."""
+    (``grouped`` as in :func:`emulated_mm`; the custom op ``fp8boost::moe_emulated_mm_wgrad``).
+    """
+    return _emulated_wgrad_op(a, a_inv, b, b_inv, offsets, group, local,
+                              _use_grouped_mm(a, grouped))
+
+
+@torch.library.custom_op("fp8boost::moe_emulated_mm", mutates_args=())
+def _emulated_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+                    offsets: torch.Tensor, group: torch.Tensor, local: torch.Tensor,
+                    grouped: bool) -> torch.Tensor:
+    da = a.float() * a_inv.view(-1, 1)
+    db = b.float() * b_inv.unsqueeze(-1)
+    e = db.shape[0]
+    if grouped:
+        out = torch._grouped_mm(da, db.transpose(-2, -1), offs=offsets)
+        # Rows past offsets[-1] are left unwritten (whatever the allocator held): zero them,
+        # so that the op is a function of its inputs (eager and compiled runs agree).
+        return torch.where((group < e).unsqueeze(1), out, 0)
+    dense = _dense(da, group, local, e)
+    db = torch.cat([db, db.new_zeros(1, *db.shape[1:])])
+    return torch.bmm(dense, db.transpose(1, 2))[group, local]
+
+
+@_emulated_mm_op.register_fake
+def _(a, a_inv, b, b_inv, offsets, group, local, grouped):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8boost::moe_emulated_mm_wgrad", mutates_args=())
+def _emulated_wgrad_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
+                       b_inv: torch.Tensor, offsets: torch.Tensor, group: torch.Tensor,
+                       local: torch.Tensor, grouped: bool) -> torch.Tensor:
     e = a_inv.shape[0]
 
     def deq(x, inv):
@@ -87,10 +120,18 @@ def emulated_mm_wgrad(a, a_inv, b, b_inv, offsets, group, local,
         return x.float() * inv[group].t()
 
     da, db = deq(a, a_inv), deq(b, b_inv)
-    if _use_grouped_mm(da, grouped):
-        return torch._grouped_mm(da, db.t(), offs=offsets)
+    if grouped:
+        out = torch._grouped_mm(da, db.t(), offs=offsets)
+        # An expert with no rows: an empty reduction, set to zero rather than trusted.
+        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return torch.where((sizes > 0).view(-1, 1, 1), out, 0)
     ga, gb = _dense(da.t(), group, local, e), _dense(db.t(), group, local, e)
     return torch.bmm(ga.transpose(1, 2), gb)[:e]
+
+
+@_emulated_wgrad_op.register_fake
+def _(a, a_inv, b, b_inv, offsets, group, local, grouped):
+    return a.new_empty(a_inv.shape[0], a.shape[0], b.shape[0], dtype=torch.float32)
 
 
 def scaled_mm(a, a_inv, b, b_inv, offsets, fast_accum: bool) -> torch.Tensor:

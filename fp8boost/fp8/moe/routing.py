@@ -8,8 +8,12 @@ form), in their original order (a stable sort, so results do not depend on sort 
 ``offsets[e]`` is the end of expert e's (padded) group, int32, as ``torch._grouped_mm`` and
 ``torch._scaled_grouped_mm`` take it. ``rows`` is a bound fixed by (S, E) alone,
 ``S + E*(ALIGN-1)`` rounded up to ``ALIGN``, so nothing waits for the GPU to know a group size
-(no host sync); rows past ``offsets[-1]`` and padding rows hold zeros and belong to no expert
-(``group[r] == E``).
+(no host sync). Rows past ``offsets[-1]`` and padding rows hold zeros and belong to no
+expert (``group[r] == E``).
+
+Every shape here depends on (S, E) alone, never on the routing, and ``offsets`` is a tensor
+(never a Python list): under ``torch.compile`` each step's routing is new data in the same
+graph, with no graph break (no data-dependent size, no ``.item()``) and no recompile.
 """
 from __future__ import annotations
 
@@ -60,7 +64,10 @@ def route(expert_ids: torch.Tensor, num_experts: int) -> Routing:
         raise TypeError(f"expert ids must be an integer tensor, got {expert_ids.dtype}")
     ids = expert_ids.reshape(-1).long()
     dev, s, e = ids.device, ids.numel(), num_experts
-    counts = torch.bincount(ids, minlength=e)[:e]
+    # A scatter-add, not bincount: bincount's output size depends on the data (a graph break
+    # under torch.compile); this one is [E] whatever the ids.
+    counts = torch.zeros(e, dtype=torch.long, device=dev).scatter_add_(0, ids,
+                                                                       torch.ones_like(ids))
     padded = (counts + ALIGN - 1) // ALIGN * ALIGN
     pend = torch.cumsum(padded, 0)
     pstart = pend - padded
