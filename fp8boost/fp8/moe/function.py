@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .gemm import emulated_mm, emulated_mm_wgrad, scaled_mm, scaled_mm_wgrad
-from .quantize import ScaleOptions, quantize_experts, quantize_groups_t, quantize_tokens
+from .quantize import (ScaleOptions, quantize_experts, quantize_groups_t, quantize_tokens,
+                       quantize_tokens_and_groups_t)
 from .routing import Routing
 
 
@@ -68,13 +69,14 @@ class GroupedFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, routing: Routing, opts: GroupedOptions, save_x: bool):
         s = opts.scales
-        xq, x_inv = quantize_tokens(x, s.fwd_dtype, s, backend=opts.backend)
+        saved = (None, None)
+        if save_x:  # x and wgrad's x^T from one call (one pair of passes on the fused path)
+            (xq, x_inv), saved = quantize_tokens_and_groups_t(
+                x, routing.group, routing.num_experts, s.fwd_dtype, s, backend=opts.backend)
+        else:
+            xq, x_inv = quantize_tokens(x, s.fwd_dtype, s, backend=opts.backend)
         wq, w_inv = quantize_experts(weight, s, backend=opts.backend)
         y = _mm(xq, x_inv, wq, w_inv, routing, opts, opts.fast_accum_fprop, x.dtype)
-        saved = (None, None)
-        if save_x:  # the weight gradient's operand, only when one will be computed
-            saved = quantize_groups_t(x, routing.group, routing.num_experts, s.fwd_dtype, s,
-                                      backend=opts.backend)
         ctx.save_for_backward(weight, *saved)
         ctx.routing, ctx.opts, ctx.x_dtype = routing, opts, x.dtype
         return y
@@ -86,13 +88,19 @@ class GroupedFp8Linear(torch.autograd.Function):
         s = opts.scales
         dy = dy.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_dx and need_dw:  # dy and dy^T from one call (one pair of passes, fused path)
+            (dyq, dy_inv), (dyt, dyt_inv) = quantize_tokens_and_groups_t(
+                dy, r.group, r.num_experts, s.grad_dtype, s, backend=opts.backend)
+        elif need_dx:
             dyq, dy_inv = quantize_tokens(dy, s.grad_dtype, s, backend=opts.backend)
-            wtq, wt_inv = quantize_experts(weight, s, transpose=True, backend=opts.backend)
-            dx = _mm(dyq, dy_inv, wtq, wt_inv, r, opts, opts.fast_accum_dgrad, ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        elif need_dw:
             dyt, dyt_inv = quantize_groups_t(dy, r.group, r.num_experts, s.grad_dtype, s,
                                              backend=opts.backend)
+        if need_dx:
+            wtq, wt_inv = quantize_experts(weight, s, transpose=True, backend=opts.backend)
+            dx = _mm(dyq, dy_inv, wtq, wt_inv, r, opts, opts.fast_accum_dgrad, ctx.x_dtype)
+        if need_dw:
             dw = _mm_wgrad(dyt, dyt_inv, xt, xt_inv, r, opts, weight.dtype)
         return dx, dw, None, None, None
 
