@@ -137,3 +137,20 @@ def test_zero_gathers_blockwise_weights_with_block_scales_2_ranks():
             if stage == 2:
                 assert s["gather_reduces"] == [0, 0, 0], (rank, stage, s)
             assert s["loss_rel"] < 1e-6 and s["weight_rel"] < 1e-6, (rank, stage, s)
+
+
+def test_block_plan_needs_the_zero_world(caplog):
+    """Without the ZeRO world the chunks' rows are unknown: the blockwise weights keep the
+    regular FP8 gather and the reason is logged, instead of a TypeError."""
+    import logging
+
+    from fp8boost.parallel.zero.direct_plan import build_direct_plan, weight_owners
+    model = _model(torch.float32)
+    params = [model[i].weight for i in BLOCK]
+    shapes, mask = [p.shape for p in params], [True] * len(params)
+    with caplog.at_level(logging.INFO, logger="fp8boost.parallel.zero"):
+        plan = build_direct_plan(params, shapes, mask, weight_owners(model), None)
+    assert not plan and not plan.blocks and not plan.weights
+    assert "ZeRO world size was not given" in caplog.text, caplog.text
+    with_world = build_direct_plan(params, shapes, mask, weight_owners(model), None, world=2)
+    assert [w.rows for w in with_world.blocks] == [128, 256]

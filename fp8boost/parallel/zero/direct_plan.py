@@ -94,7 +94,14 @@ def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size,
     if why is not None:
         return GatherPlan(False, config.param_dtype, 0, config.power_of_2_wire_scale, why)
     module = layer if layer is not None else (mods[0] if mods else None)
-    return choose_plan(config, len(mods) > 1, module, shape, world)
+    plan = choose_plan(config, len(mods) > 1, module, shape, world)
+    if plan.block and not world:
+        # choose_plan leaves the shard check to a known world; without one the chunks' rows
+        # are unknown, so the block variant cannot be laid out.
+        why = ("blockwise weight, but the ZeRO world size was not given (DirectGather(..., "
+               "world=...)): whether its chunks hold whole blocks is unknown")
+        return GatherPlan(False, config.param_dtype, 0, config.power_of_2_wire_scale, why)
+    return plan
 
 
 def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_mask: list[bool],
@@ -110,7 +117,7 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
         owners: :func:`weight_owners` of the model.
         config: the ZeRO optimizer's ``Fp8CommConfig`` (None: the default one).
         world: the ZeRO ranks (blockwise weights qualify when their chunks hold whole blocks;
-            None: none do).
+            None: none do, the reason logged once).
     """
     from .direct_blocks import BlockWeight
     cfg = config if config is not None else Fp8CommConfig()
