@@ -4,11 +4,12 @@ FSDP2's and ZeRO's FP8 all-gathers send a tensorwise weight as FP8 bytes with on
 tensor (the scale shared by the group). A layer under the ``rowwise`` or ``blockwise`` recipe
 re-quantizes its weight with a scale per row or 128 x 128 block, so a per-tensor FP8 wire would
 round it twice and lose what those recipes are for (an outlier sets the whole tensor's scale).
-FSDP2 (GeminiPlugin, TorchFSDPPlugin) gathers a blockwise weight whose even shards hold whole
-blocks as FP8 with its block scales (``parallel/fsdp/block_gather.py``); every other
-rowwise/blockwise weight (rowwise ones, blockwise ones whose shards would split a block, and all
-of them under ZeRO) travels in the training dtype: each plugin warns once and records why in
-its :class:`~fp8boost.parallel.comm.report.CommReport`
+FSDP2 (GeminiPlugin, TorchFSDPPlugin) and ZeRO (LowLevelZeroPlugin, HybridParallelPlugin's
+ZeRO) gather a blockwise weight whose even shards hold whole blocks as FP8 with its block
+scales (``parallel/fsdp/block_gather.py``, ``parallel/zero/direct_blocks.py``); every other
+rowwise/blockwise weight (rowwise ones, blockwise ones whose shards would split a block)
+travels in the training dtype: each plugin warns once and records why in its
+:class:`~fp8boost.parallel.comm.report.CommReport`
 (``plugin.comm_report.why_not['param_all_gather']``).
 """
 from __future__ import annotations
@@ -29,8 +30,8 @@ __all__ = ["GRANULAR_GATHER_WHY", "is_granular", "block_gathered", "ranks_of",
 GRANULAR_GATHER_WHY = (
     "weights of rowwise/blockwise Fp8Linear layers are all-gathered in the training dtype: the "
     "FP8 all-gather carries one scale per tensor and these recipes re-quantize per row/block, "
-    "so an FP8 wire would round each weight twice (FSDP2 gathers blockwise weights with their "
-    "block scales when its even shards hold whole 128-row blocks)")
+    "so an FP8 wire would round each weight twice (FSDP2 and ZeRO gather blockwise weights "
+    "with their block scales when their even shards hold whole 128-row blocks)")
 """Why a rowwise/blockwise layer's weight is not all-gathered in FP8."""
 
 
@@ -41,8 +42,8 @@ def is_granular(module: Optional[nn.Module]) -> bool:
 
 
 def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int]) -> bool:
-    """Whether FSDP2 over ``shard_ranks`` ranks gathers ``module``'s weight as block-scaled FP8
-    (None: not FSDP2, never)."""
+    """Whether FSDP2 or ZeRO over ``shard_ranks`` ranks gathers ``module``'s weight as
+    block-scaled FP8 (None: no sharded FP8 gather, never)."""
     from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
     return shard_ranks is not None and block_gather_unfit(module, shard_ranks) is None
 
@@ -66,9 +67,9 @@ def report_granular_gather(report: CommReport, where: str, model: nn.Module,
     """Record in ``report`` (and warn once, naming ``where``) that the weights of ``model``'s
     rowwise/blockwise layers are all-gathered in the training dtype; returns how many.
 
-    ``shard_ranks``: FSDP2's shard group size; the blockwise layers it gathers with block scales
-    (:func:`block_gathered`) are not counted. When every FP8 layer is left in the training
-    dtype, ``report.fp8_param_all_gather`` becomes False.
+    ``shard_ranks``: FSDP2's or ZeRO's shard group size; the blockwise layers gathered with
+    block scales (:func:`block_gathered`) are not counted. When every FP8 layer is left in the
+    training dtype, ``report.fp8_param_all_gather`` becomes False.
     """
     layers = fp8_layers(model)
     n_granular = sum(is_granular(m) and not block_gathered(m, shard_ranks) for m in layers)
