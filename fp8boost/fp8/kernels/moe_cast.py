@@ -51,7 +51,6 @@ from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES
 from .granular_cast import quantize_operands as granular_operands
 from .tuning import interpreting
 
-# The small helpers below are granular_cast's own (modules keep their private names private).
 # (BLOCK_R, BLOCK_C, num_warps) of the grouped two-pass kernels on the GPU / the interpreter.
 GROUPED_TILE = (64, 128, 8)
 _INTERP_TILE = (32, 64, 1)
