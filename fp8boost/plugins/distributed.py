@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import socket
 from typing import Optional
@@ -21,6 +22,8 @@ from fp8boost import _state
 
 #: dtypes gloo cannot broadcast: their bytes travel as uint8 instead
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+_LOG = logging.getLogger("fp8boost.plugins.distributed")
 
 
 def default_device() -> torch.device:
@@ -112,8 +115,11 @@ def leave_process_group() -> None:
     if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
-        except RuntimeError:
-            pass  # a peer is gone: nothing to wait for
+        except RuntimeError as e:  # a peer is gone: nothing to wait for, but say so
+            _state.log_once(_LOG, "leave-barrier-failed",
+                            f"fp8boost: rank {dist.get_rank()} leaves the process group without "
+                            f"its peers (teardown barrier failed within 30 s: {e}); a peer may "
+                            "have exited or crashed", all_ranks=True)
     dist.destroy_process_group()
 
 

@@ -27,3 +27,30 @@ def test_group_created_by_fp8boost_is_destroyed_at_exit():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("destroyed")
+
+
+def test_leaving_without_peers_says_so(monkeypatch, caplog):
+    """A teardown barrier that fails (a peer exited or crashed) is not swallowed silently:
+    the rank logs that it leaves without its peers, then destroys its group."""
+    import logging
+
+    import torch.distributed as dist
+
+    from fp8boost import _state
+    from fp8boost.plugins import distributed
+
+    destroyed = []
+
+    def barrier(*_a, **_k):
+        raise RuntimeError("Rank 0 timed out in monitoredBarrier")
+
+    for name, fn in (("get_backend", lambda *a: "gloo"), ("get_world_size", lambda *a: 2),
+                     ("get_rank", lambda *a: 1), ("monitored_barrier", barrier),
+                     ("destroy_process_group", lambda *a: destroyed.append(True))):
+        monkeypatch.setattr(dist, name, fn)
+    _state.forget_logged("leave-barrier-failed")
+    with caplog.at_level(logging.WARNING, logger="fp8boost.plugins.distributed"):
+        distributed.leave_process_group()
+    assert destroyed == [True]
+    assert "rank 1 leaves the process group without its peers" in caplog.text, caplog.text
+    assert "timed out in monitoredBarrier" in caplog.text
