@@ -106,7 +106,7 @@ def _stress(model: torch.nn.Module, gain: float) -> int:
 
 def _run(recipe: str, gain: float, train, val, args) -> dict:
     booster, model, opt = _boosted(recipe, args)
-    stressed = _stress(model.unwrap() if hasattr(model, "unwrap") else model, gain)
+    stressed = _stress(booster.plugin.unwrap_model(model), gain)
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         ids = _batch(train, step, args.batch_size, args.seq_len, 0)
@@ -141,8 +141,8 @@ def _one_step_errors(recipes: list[str], gains: list[float], train, args) -> lis
     ids = _batch(train, 1, args.batch_size, args.seq_len, 0)
 
     def run(recipe, gain):
-        _, model, _ = _boosted(recipe, args)
-        inner = model.unwrap() if hasattr(model, "unwrap") else model
+        booster, model, _ = _boosted(recipe, args)
+        inner = booster.plugin.unwrap_model(model)
         _stress(inner, gain)
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()

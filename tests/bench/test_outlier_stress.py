@@ -31,8 +31,8 @@ def test_stress_is_exact_in_bf16_and_hits_only_per_tensor_scaling():
     ids = mod._batch(train, 1, 2, 32, 0)
 
     def bf16_logits(gain):
-        _, model, _ = mod._boosted("bf16", args)
-        mod._stress(model.unwrap() if hasattr(model, "unwrap") else model, gain)
+        booster, model, _ = mod._boosted("bf16", args)
+        assert mod._stress(booster.plugin.unwrap_model(model), gain) == (0 if gain == 1 else 7)
         return model(input_ids=ids).logits
 
     assert torch.equal(bf16_logits(1.0), bf16_logits(65536.0))
