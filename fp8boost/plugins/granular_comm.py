@@ -76,7 +76,9 @@ def report_granular_gather(report: CommReport, where: str, model: nn.Module,
     if not n_granular:
         return 0
     why = f"{n_granular} {GRANULAR_GATHER_WHY}"
-    report.not_fp8(PARAM_ALL_GATHER, why)
+    before = report.why_not.get(PARAM_ALL_GATHER)
+    # Another reason (e.g. FP8 experts', recorded first by FSDP2's plugins) stays: keep both.
+    report.not_fp8(PARAM_ALL_GATHER, why if not before else f"{before}; {why}")
     if n_granular == len(layers):
         report.fp8_param_all_gather = False
     _state.warn_once(("granular-fp8-param-gather", where), f"fp8boost {where}: {why}")
