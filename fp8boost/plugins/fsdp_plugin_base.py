@@ -118,12 +118,13 @@ class FsdpPluginBase(Plugin):
         ranks = self.topology().submesh("dp").size()
         names = enable_fp8_all_gather(
             model, self.comm_config or Fp8CommConfig(),
-            lambda mod, fqn: is_fp8_layer(mod) and (not is_granular(mod)
-                                                    or block_gathered(mod, ranks)))
+            lambda mod, fqn: is_fp8_layer(mod) and (
+                not is_granular(mod) or block_gathered(mod, ranks, self.comm_config)))
         report.fp8_all_gather_modules = names
         report.fp8_param_all_gather = bool(names)
         report_expert_gather(report, type(self).__name__, model)  # experts: training dtype
-        if not report_granular_gather(report, type(self).__name__, model, ranks) and not names:
+        if not report_granular_gather(report, type(self).__name__, model, ranks,
+                                      self.comm_config) and not names:
             why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
                    "weights whose consumer is an FP8 GEMM")
             report.not_fp8(PARAM_ALL_GATHER, why)

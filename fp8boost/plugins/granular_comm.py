@@ -41,11 +41,16 @@ def is_granular(module: Optional[nn.Module]) -> bool:
     return cfg is not None and cfg.recipe in GRANULAR_RECIPES
 
 
-def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int]) -> bool:
+def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int],
+                   comm_config=None) -> bool:
     """Whether FSDP2 or ZeRO over ``shard_ranks`` ranks gathers ``module``'s weight as
-    block-scaled FP8 (None: no sharded FP8 gather, never)."""
+    block-scaled FP8 (None: no sharded FP8 gather, never). ``comm_config``: the plugin's
+    ``Fp8CommConfig`` (None: the default); its wire format must be the layer's (e4m3), or the
+    gather would fall back to one scale per weight and round the weight twice."""
+    from fp8boost.parallel.comm.config import Fp8CommConfig
     from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
-    return shard_ranks is not None and block_gather_unfit(module, shard_ranks) is None
+    wire = (comm_config or Fp8CommConfig()).param_dtype
+    return shard_ranks is not None and block_gather_unfit(module, shard_ranks, wire) is None
 
 
 def ranks_of(group) -> int:
@@ -63,16 +68,17 @@ def split_fp8_gather_layers(layers: Iterable[nn.Module]) -> tuple[list, list]:
 
 
 def report_granular_gather(report: CommReport, where: str, model: nn.Module,
-                           shard_ranks: Optional[int] = None) -> int:
+                           shard_ranks: Optional[int] = None, comm_config=None) -> int:
     """Record in ``report`` (and warn once, naming ``where``) that the weights of ``model``'s
     rowwise/blockwise layers are all-gathered in the training dtype; returns how many.
 
     ``shard_ranks``: FSDP2's or ZeRO's shard group size; the blockwise layers gathered with
-    block scales (:func:`block_gathered`) are not counted. When every FP8 layer is left in the
+    block scales (:func:`block_gathered` with ``comm_config``) are not counted. When every FP8 layer is left in the
     training dtype, ``report.fp8_param_all_gather`` becomes False.
     """
     layers = fp8_layers(model)
-    n_granular = sum(is_granular(m) and not block_gathered(m, shard_ranks) for m in layers)
+    n_granular = sum(is_granular(m) and not block_gathered(m, shard_ranks, comm_config)
+                     for m in layers)
     if not n_granular:
         return 0
     why = f"{n_granular} {GRANULAR_GATHER_WHY}"

@@ -135,7 +135,7 @@ class LowLevelZeroPlugin(Plugin):
         if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
             from fp8boost.fp8.moe.comm import report_expert_gather
             report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model,
-                                   opt.dp_world)
+                                   opt.dp_world, self.comm_config)
             report_expert_gather(self.comm_report, "LowLevelZeroPlugin", model)
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         return opt
@@ -150,7 +150,7 @@ class LowLevelZeroPlugin(Plugin):
         # whose chunks hold whole blocks: FP8 with their block scales (granular_comm.py)
         ranks = ranks_of(self.topology().group("dp"))
         weights = [m.weight for m in fp8_layers(model)
-                   if not is_granular(m) or block_gathered(m, ranks)]
+                   if not is_granular(m) or block_gathered(m, ranks, self.comm_config)]
         if self.fp8_communication and not fp8_layers(model):
             warn_once("zero_fp8_gather_none",
                       "LowLevelZeroPlugin(fp8_communication=True): the model has no Fp8Linear "

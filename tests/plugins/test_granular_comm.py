@@ -29,3 +29,18 @@ def test_granular_reason_keeps_an_earlier_one():
     fresh = CommReport()
     assert report_granular_gather(fresh, "test", model) == 2  # no shard ranks: no block gather
     assert fresh.why_not[PARAM_ALL_GATHER].startswith("2 weights of rowwise/blockwise")
+
+
+def test_block_gather_needs_the_layers_wire_format():
+    """An e5m2 wire (``Fp8CommConfig.param_dtype``) is not the blockwise GEMM's e4m3 format: the
+    block gather does not apply, so the weight stays in the training dtype (and is counted),
+    instead of taking the one-scale FP8 wire and being rounded twice."""
+    import torch
+
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.plugins.granular_comm import block_gathered
+    block = _layer("blockwise", 256)
+    e5m2 = Fp8CommConfig(param_dtype=torch.float8_e5m2)
+    assert block_gathered(block, 2) and block_gathered(block, 2, Fp8CommConfig())
+    assert not block_gathered(block, 2, e5m2)
+    assert report_granular_gather(CommReport(), "test", nn.Sequential(block), 2, e5m2) == 1
