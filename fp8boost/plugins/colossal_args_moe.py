@@ -7,11 +7,15 @@ Colossal-AI v0.5.0's ``MoeHybridParallelPlugin`` takes ``HybridParallelPlugin``'
 and pipeline-argument checks), under the log-key prefix ``colossal-args.moe_hybrid``; this
 module adds what differs for expert parallelism:
 
-* ``pp_size > 1`` and ``enable_sequence_parallelism=True`` raise a ``ValueError`` (not
-  implemented with experts: ``HybridParallelPlugin`` keeps MoE blocks whole on its tp ranks
-  and runs pp/SP for MoE models);
-* ``moe_dp_outside=False`` is accepted: it moves the pipeline axis outside the moe-dp axis,
-  so with ``pp_size=1`` its rank layout is ``moe_dp_outside=True``'s (the same groups);
+* ``enable_sequence_parallelism=True`` raises a ``ValueError`` (not implemented with
+  experts: ``HybridParallelPlugin`` keeps MoE blocks whole on its tp ranks and runs SP for
+  MoE models);
+* ``pp_size > 1`` takes ``HybridParallelPlugin``'s pipeline rules (``check_pipeline_args``:
+  zero_stage <= 1, one of num_microbatches / microbatch_size, the pp_style rules), less
+  ``pp_style="zbv"`` (``ValueError``: its split weight-gradient pass fails through the expert
+  dispatch);
+* ``moe_dp_outside=False`` is accepted: it moves the pipeline axis outside the moe-dp axis
+  (``moe_grads``), so with ``pp_size=1`` its rank layout is ``moe_dp_outside=True``'s;
 * ``overlap_communication=True`` logs once: gradients are reduced after the backward
   (Colossal-AI turns it off for MoE as well, because unrouted experts would hang it);
 * the pipeline options (``num_microbatches`` ...) are ignored at ``pp_size=1`` with one INFO
@@ -27,8 +31,7 @@ from .hybrid_pipeline import check_pipeline_args
 from .hybrid_sp import check_sp_args
 
 PLUGIN = "moe_hybrid"  # log keys: colossal-args.moe_hybrid.<argument>
-NOT_IMPLEMENTED = ("MoeHybridParallelPlugin runs dp x ep x tp (pp_size=1, no sequence "
-                   "parallelism)")
+NOT_IMPLEMENTED = "MoeHybridParallelPlugin runs dp x pp x ep x tp (no sequence parallelism)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,24 +44,21 @@ class MoeColossalArgs:
     """``DynamicLossScaler`` keywords from ``min_scale``/``growth_factor``/... (fp16 only)."""
     gradient_checkpoint_config: Any = None
     """The ``GradientCheckpointConfig`` applied at ``boost`` (``plugins/grad_ckpt.py``)."""
+    pipeline: Any = None
+    """``hybrid_pipeline.PipelineOptions`` (None when ``pp_size == 1``)."""
 
 
 def check_moe_layout(*, tp_size: int, pp_size: int, ep_size: int, zero_stage: int,
                      moe_dp_outside: bool) -> None:
-    """Sizes and layout: positive ints, ``pp_size == 1``, ZeRO 0/1/2 (before any collective).
+    """Sizes and layout: positive ints, ZeRO 0/1/2 (before any collective).
 
     Raises:
-        ValueError: a bad size, ``pp_size > 1`` or ``zero_stage`` outside 0/1/2.
+        ValueError: a bad size or ``zero_stage`` outside 0/1/2.
         TypeError: ``moe_dp_outside`` is not a bool.
     """
     for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if pp_size != 1:
-        raise ValueError(f"MoeHybridParallelPlugin(pp_size={pp_size}): pipeline parallelism with "
-                         f"expert parallelism is not implemented ({NOT_IMPLEMENTED}); use "
-                         "pp_size=1, or HybridParallelPlugin(pp_size=...) with the MoE blocks "
-                         "whole on every rank and config.output_router_logits=False")
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
         raise ValueError(f"MoeHybridParallelPlugin: zero_stage must be 0, 1 or 2, got "
                          f"{zero_stage!r}")
@@ -76,13 +76,15 @@ def moe_args(*, tp_size: int, pp_size: int, sp_size: Optional[int], precision: s
 
     Args:
         pipeline: ``num_microbatches``, ``microbatch_size``, ``pp_style``,
-            ``num_model_chunks``, ``num_layers_per_stage`` (ignored at ``pp_size=1``: INFO).
+            ``num_model_chunks``, ``num_layers_per_stage`` (ignored at ``pp_size=1``: INFO;
+            checked as ``HybridParallelPlugin``'s otherwise).
         loss_scale: the fp16 loss-scaling keywords (``colossal_args.loss_scale_args``).
         tuning: the arguments that only tune Colossal-AI internals, by name (INFO when not
             their default; ``HybridParallelPlugin``'s messages).
 
     Raises:
-        ValueError: sequence parallelism (any mode), or what ``hybrid_args`` refuses.
+        ValueError: sequence parallelism (any mode), bad pipeline options, ``pp_style="zbv"``,
+            or what ``hybrid_args`` refuses.
     """
     check_bools(enable_sequence_parallelism=enable_sequence_parallelism,
                 overlap_communication=overlap_communication, cpu_offload=cpu_offload)
@@ -95,7 +97,15 @@ def moe_args(*, tp_size: int, pp_size: int, sp_size: Optional[int], precision: s
             f"with expert parallelism is not implemented ({NOT_IMPLEMENTED}); use "
             "enable_sequence_parallelism=False, or HybridParallelPlugin with sequence "
             "parallelism (MoE blocks whole on every rank)")
-    check_pipeline_args(pp_size, zero_stage, **pipeline)  # pp_size == 1 here: INFO if given
+    # pp_size=1: INFO if pipeline options are given; else HybridParallelPlugin's rules
+    pipeline_options = check_pipeline_args(pp_size, zero_stage, **pipeline)
+    if pipeline_options is not None and pipeline_options.pp_style == "zbv":
+        # torch's ZBV splits each backward into an input and a weight pass; through the
+        # expert dispatch (EpExperts) the weight pass meets freed saved tensors (measured:
+        # RuntimeError "backward through the graph a second time", at ep_size 1 and 2)
+        raise ValueError("MoeHybridParallelPlugin(pp_style='zbv') is not supported: the "
+                         "zero-bubble schedule's split weight-gradient pass fails through the "
+                         "expert dispatch; use pp_style='1f1b' or 'interleaved'")
     if overlap_communication:
         log_info(PLUGIN, "overlap_communication",
                  "overlap_communication=True is not used: MoeHybridParallelPlugin reduces "
@@ -111,4 +121,5 @@ def moe_args(*, tp_size: int, pp_size: int, sp_size: Optional[int], precision: s
         tuning=dict(enable_sequence_overlap=False, dp_outside=True, **tuning))
     return MoeColossalArgs(reduce_bucket_size_in_m=mapped.reduce_bucket_size_in_m,
                            loss_scale=mapped.loss_scale,
-                           gradient_checkpoint_config=mapped.gradient_checkpoint_config)
+                           gradient_checkpoint_config=mapped.gradient_checkpoint_config,
+                           pipeline=pipeline_options)

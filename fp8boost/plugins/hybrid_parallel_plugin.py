@@ -428,18 +428,10 @@ class HybridParallelPlugin(Plugin):
             >>> out = booster.execute_pipeline(it, model, optimizer=optimizer) # doctest: +SKIP
             >>> optimizer.step(); optimizer.zero_grad()                        # doctest: +SKIP
         """
-        from .hybrid_pipeline import execute_pipeline
+        from .hybrid_pipeline import checked_execute_pipeline
 
-        if self.pp_state is None:
-            raise ValueError("execute_pipeline needs pp_size > 1 and a boosted model; with "
-                             "pp_size=1 call model(...) and booster.backward(loss, optimizer)")
-        if self.input_guard is not None and self.input_guard.active:
-            # Every rank of the pipeline reads its own copy of the batch: compare them.
-            data_iter = data_iter if isinstance(data_iter, dict) else next(data_iter)
-            if isinstance(data_iter, dict):  # else execute_pipeline raises its own error
-                self.input_guard.check((), data_iter)
-        return execute_pipeline(self, self.pp_state, data_iter, model, criterion, optimizer,
-                                return_loss, return_outputs)
+        return checked_execute_pipeline(self, data_iter, model, criterion, optimizer,
+                                        return_loss, return_outputs)
 
     def _tied_copy(self) -> list:
         """The last stage's copy of a tied embedding (the first stage counts it in the norm)."""

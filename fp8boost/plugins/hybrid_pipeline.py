@@ -34,6 +34,7 @@ from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRu
                                         check_pipeline_options, make_layout, strip_to_rank,
                                         tied_embedding)
 from fp8boost.parallel.pipeline.split import CausalLMOutputs
+from fp8boost.parallel.pipeline.stage_manager import rank_with
 
 from .distributed import broadcast_module
 from .wrappers import ModelWrapper
@@ -122,7 +123,7 @@ class PipelineState:
     boundaries: Optional[BoundaryPlan] = None
 
 
-def _new_groups(dims, key) -> object:
+def new_groups(dims, key) -> object:
     """``dist.new_group`` for every class of ranks with equal ``key(coords)`` (None: in no
     group); returns ours. Every rank creates every group in the same order (collective).
     """
@@ -150,15 +151,14 @@ def strip_model(model: nn.Module, optimizer, layout: PipelineLayout, topo) -> Pi
         for g in optimizer.param_groups:
             g["params"] = [p for p in g["params"] if id(p) in kept]
     state = PipelineState(layout=layout, rank=rank, group=topo.group("pp"),
-                          stage_group=_new_groups(dims, lambda c: c["pp"]))
+                          stage_group=new_groups(dims, lambda c: c["pp"]))
     first, last = layout.rank_of(0), layout.last_rank
     if tied and first != last:
         ends = (first, last)
-        g = _new_groups(dims, lambda c: (c["dp"], c["tp"]) if c["pp"] in ends else None)
+        g = new_groups(dims, lambda c: (c["dp"], c["tp"]) if c["pp"] in ends else None)
         if rank in ends:
-            c = dims.coords(dist.get_rank())
             state.tied_group = g
-            state.tied_src = (c["dp"] * dims.pp + first) * dims.tp + c["tp"]
+            state.tied_src = rank_with(dims, dist.get_rank(), pp=first)
             state.tied = (model.model.embed_tokens.weight if rank == first
                           else model.lm_head.weight)
     return state
@@ -238,9 +238,36 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def checked_execute_pipeline(plugin, data_iter, model, criterion, optimizer, return_loss: bool,
+                             return_outputs: bool, reduce_gradients=None) -> dict:
+    """``plugin.execute_pipeline`` for a plugin with ``pp_state`` and ``input_guard`` (the
+    hybrid plugins): refuses a plugin without pipeline, compares the batch of the replica's
+    ranks when the guard is active, then runs :func:`execute_pipeline`.
+
+    Raises:
+        ValueError: ``plugin.pp_state`` is None (pp_size=1 or not boosted).
+    """
+    state = plugin.pp_state
+    if state is None:
+        raise ValueError("execute_pipeline needs pp_size > 1 and a boosted model; with "
+                         "pp_size=1 call model(...) and booster.backward(loss, optimizer)")
+    guard = plugin.input_guard
+    if guard is not None and guard.active:
+        # Every rank of the pipeline reads its own copy of the batch: compare them.
+        data_iter = data_iter if isinstance(data_iter, dict) else next(data_iter)
+        if isinstance(data_iter, dict):  # else execute_pipeline raises its own error
+            guard.check((), data_iter)
+    return execute_pipeline(plugin, state, data_iter, model, criterion, optimizer,
+                            return_loss, return_outputs, reduce_gradients)
+
+
 def execute_pipeline(plugin, state: PipelineState, data_iter, model, criterion, optimizer,
-                     return_loss: bool, return_outputs: bool) -> dict:
-    """``HybridParallelPlugin.execute_pipeline`` (see there)."""
+                     return_loss: bool, return_outputs: bool, reduce_gradients=None) -> dict:
+    """``HybridParallelPlugin.execute_pipeline`` (see there).
+
+    ``reduce_gradients``: called once after the schedule (and the tied-embedding sum) to
+    reduce the accumulated gradients over dp; None: ``optimizer.reduce_gradients``.
+    """
     batch = data_iter if isinstance(data_iter, dict) else next(data_iter)
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise ValueError("execute_pipeline: the data iterator must yield dicts of model inputs "
@@ -266,6 +293,6 @@ def execute_pipeline(plugin, state: PipelineState, data_iter, model, criterion, 
             guard.observe_loss(loss)
         if state.tied is not None and state.tied.grad is not None:
             dist.all_reduce(state.tied.grad, group=state.tied_group)  # embed + lm_head parts
-        optimizer.reduce_gradients()
+        (reduce_gradients or optimizer.reduce_gradients)()
     return {"loss": state.runner.broadcast_loss(loss) if return_loss else None,
             "outputs": outputs}

@@ -1,15 +1,26 @@
-"""``MoeHybridParallelPlugin``'s process groups and gradient reduction (dp x ep x tp).
+"""``MoeHybridParallelPlugin``'s rank layout, process groups and gradient reduction.
 
-Rank layout (Colossal-AI's ``moe_dp_outside=True`` with ``pp_size=1``; tp innermost, as in
-``parallel/mesh.py``)::
+Rank layout (Colossal-AI's ``MoeHybridParallelPlugin``: its ``ProcessGroupMesh`` axes
+``(moe_dp, pp, ep, tp)`` with ``moe_dp_outside=True``, ``(pp, moe_dp, ep, tp)`` with
+``moe_dp_outside=False``; tp innermost, as in ``parallel/mesh.py``)::
 
-    rank = (moe_dp_index * ep + ep_index) * tp + tp_index,   dp_index = moe_dp_index * ep + ep_index
+    moe_dp_outside=True:  rank = ((moe_dp_index * pp + pp_index) * ep + ep_index) * tp + tp_index
+    moe_dp_outside=False: rank = ((pp_index * moe_dp + moe_dp_index) * ep + ep_index) * tp + tp_index
+    dp_index = moe_dp_index * ep + ep_index
 
-* tp group: ``tp`` consecutive ranks, one replica of the non-expert model split by the tp plan;
-  its ranks read the same batch and, the MoE blocks being replicated over tp, route it alike;
-* ep group: the ranks of one tp index whose dp indices differ only in ``ep_index``: they hold
-  the ``ep`` different expert slices and exchange tokens by all-to-all;
-* moe-dp group: the ranks of one tp index and one ep index: they hold the same experts.
+With ``pp_size=1`` both are ``(dp_index * tp + tp_index)``, ``ParallelDims``' layout.
+:class:`MoeDims` gives these coordinates to everything that reads ``plugin.dims`` /
+``plugin.topology()`` (the pipeline setup, the stage manager, the checkpoint export, the
+data sharding), and its mesh's "dp"/"pp"/"tp" groups follow them.
+
+* tp group: ``tp`` consecutive ranks, one replica stage of the non-expert model split by the
+  tp plan; its ranks read the same batch and, the MoE blocks being replicated over tp, route
+  it alike;
+* pp group: the ranks of one (moe-dp, ep, tp) index: the stages of one pipeline;
+* ep group: the ranks of one (moe-dp, pp, tp) index: the ``ep`` different expert slices of
+  one stage's MoE layers, exchanging tokens by all-to-all;
+* moe-dp group: the ranks of one (pp, ep, tp) index: they hold the same experts;
+* dp group: the ranks of one (pp, tp) index (moe-dp x ep): the data-parallel replicas.
 
 Gradient scaling: each dp replica's loss is the mean over its own batch, the reference the
 mean over the global batch (``dp`` equal batches). A non-expert gradient (tp shard or
@@ -19,34 +30,79 @@ combine all-to-all's backward), so it is summed over the moe-dp group and divide
 Gradients of parameters replicated over tp (norms, routers, experts) are equal on the tp ranks
 (their inputs are, and the column-parallel entry all-reduces its input gradient), so nothing
 is reduced over tp; the optimizer counts them once in the global norm (``tp_replicated``).
+With ``pp_size > 1`` every stage does this over its own dp and moe-dp groups (they hold one
+pp index), after the pipeline schedule (``MoeHybridParallelPlugin.execute_pipeline``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from fp8boost.parallel.mesh import DIM_NAMES, ParallelDims, Topology
 from fp8boost.parallel.zero import ZeroOptimizer
 
 
-def moe_groups(ep: int, tp: int) -> tuple[object, object]:
-    """``(ep group, moe-dp group)`` of this rank (module docstring's layout).
+@dataclass(frozen=True, kw_only=True)
+class MoeDims(ParallelDims):
+    """``ParallelDims`` (dp = moe-dp x ep, pp, tp) with Colossal-AI's MoE rank layout
+    (module docstring); ``coords`` adds ``"ep"`` and ``"moe_dp"``."""
 
+    ep: int = 1
+    """Expert-parallel ranks (dp = moe-dp x ep)."""
+
+    moe_dp_outside: bool = True
+    """Colossal-AI's switch: the moe-dp axis outside the pp axis (True) or inside it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sp != 1 or self.dp % self.ep:
+            raise ValueError(f"MoeDims needs sp=1 and ep ({self.ep}) dividing dp ({self.dp})")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        moe_dp = self.dp // self.ep
+        tp_i, ep_i, outer = rank % self.tp, rank // self.tp % self.ep, rank // (self.tp * self.ep)
+        if self.moe_dp_outside:
+            pp_i, moe_i = outer % self.pp, outer // self.pp
+        else:
+            moe_i, pp_i = outer % moe_dp, outer // moe_dp
+        return {"dp": moe_i * self.ep + ep_i, "pp": pp_i, "sp": 0, "tp": tp_i, "ep": ep_i,
+                "moe_dp": moe_i}
+
+    def build_mesh(self, device_type: Optional[str] = None) -> Topology:
+        """The ("dp", "pp", "sp", "tp") DeviceMesh whose entry at (d, p, 0, t) is the rank
+        with those coordinates (collective: every rank calls it)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            raise ValueError(f"MoeDims is for {self.world_size} processes in an initialised "
+                             "process group")
+        ranks = torch.empty((self.dp, self.pp, 1, self.tp), dtype=torch.int64)
+        for r in range(self.world_size):
+            c = self.coords(r)
+            ranks[c["dp"], c["pp"], 0, c["tp"]] = r
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return Topology(dims=self, mesh=DeviceMesh(device_type, ranks, mesh_dim_names=DIM_NAMES))
+
+
+def moe_groups(dims: MoeDims) -> tuple[object, object, object]:
+    """``(ep group, moe-dp group, pp x ep group)`` of this rank (module docstring's layout).
+
+    The pp x ep group (the ranks of one (moe-dp, tp) index) holds one copy of every
+    parameter (each stage's experts spread over its ep ranks): the gradient norm spans it.
     Collective: every rank creates every group, in one order.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    moe_dp = world // (ep * tp)
-    mine = {}
-    for kind, outer, inner in (("ep", moe_dp, ep), ("moe_dp", ep, moe_dp)):
-        for a in range(outer):
-            for t in range(tp):
-                # ep groups vary the ep index (a: moe-dp index); moe-dp groups the moe-dp
-                # index (a: ep index)
-                ranks = [((a * ep + b) if kind == "ep" else (b * ep + a)) * tp + t
-                         for b in range(inner)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[kind] = group
-    return mine["ep"], mine["moe_dp"]
+    from .hybrid_pipeline import new_groups
+
+    ep = new_groups(dims, lambda c: (c["moe_dp"], c["pp"], c["tp"]))
+    moe_dp = new_groups(dims, lambda c: (c["pp"], c["ep"], c["tp"]))
+    model = new_groups(dims, lambda c: (c["moe_dp"], c["tp"]))
+    return ep, moe_dp, model
 
 
 def reduce_moe_gradients(params, expert_ids: set[int], dp_group, moe_dp_group,
@@ -68,6 +124,26 @@ def reduce_moe_gradients(params, expert_ids: set[int], dp_group, moe_dp_group,
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=moe_dp_group if expert else dp_group)
         flat.div_(dp_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def average_over_ep(params, expert_ids: set[int], ep_group, ep: int) -> None:
+    """Average the non-expert gradients over the ep group, one flat all-reduce per dtype
+    (collective over the ep group); what ZeRO's per-parameter ep hooks do, at once, after a
+    pipeline schedule (expert gradients are divided by ep by their gradient hooks)."""
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.requires_grad and id(p) not in expert_ids:
+            if p.grad is None:  # a parameter without gradient here still takes part
+                p.grad = torch.zeros_like(p)
+            buckets.setdefault(p.grad.dtype, []).append(p.grad)
+    for _, grads in sorted(buckets.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ep_group)
+        flat.div_(ep)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -1,16 +1,21 @@
-"""MoeHybridParallelPlugin: expert (ep) x tensor (tp) x data parallelism for HF MoE models.
+"""MoeHybridParallelPlugin: expert (ep) x pipeline (pp) x tensor (tp) x data parallelism for HF
+MoE models.
 
-``world = dp x tp`` ranks, ``dp = moe_dp x ep``, ``pp_size = 1``, ``zero_stage`` 0/1/2 (ZeRO over
-the moe-dp group: :meth:`MoeHybridParallelPlugin.wrap_optimizer`). Within a replica the tp
+``world = dp x pp x tp`` ranks, ``dp = moe_dp x ep``, in Colossal-AI's layout
+(``moe_grads.MoeDims``), ``zero_stage`` 0/1/2 (ZeRO over the moe-dp group:
+:meth:`MoeHybridParallelPlugin.wrap_optimizer`; <= 1 with pp). Within a replica the tp
 ranks split attention, dense MLPs, embedding and LM head by ``HybridParallelPlugin``'s
 :class:`~fp8boost.parallel.tp.TpPlan` (``apply_tp``) and keep every MoE block (router,
 experts, shared experts) whole (``TpPlan.replicated_moe``); over ``ep`` the fused experts are
 sliced, ``E/ep`` per rank (:mod:`~fp8boost.plugins.moe_dispatch`), with the all-to-all
 dispatch over the ep group of the rank's tp index. Rank layout, groups and gradient scaling:
-:mod:`~fp8boost.plugins.moe_grads`.
+:mod:`~fp8boost.plugins.moe_grads`. With ``pp_size > 1`` the pipeline is
+``HybridParallelPlugin``'s (``hybrid_pipeline``: the stage split, the runner,
+``execute_pipeline``), each stage's experts sliced over its own ep group.
 
-Order of application: move/cast -> FP8 conversion -> broadcast from rank 0 -> tensor-parallel
-split -> expert slicing over ep -> optimizer wrapper.
+Order of application: [pipeline split: this rank's stages] -> move/cast -> FP8 conversion ->
+broadcast (from rank 0; with pp from each stage's lowest rank) -> tensor-parallel split ->
+expert slicing over ep -> [pipeline runner] -> optimizer wrapper.
 """
 from __future__ import annotations
 
@@ -30,9 +35,12 @@ from .colossal_args_moe import check_moe_layout, moe_args
 from .distributed import broadcast_module
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .hybrid_parallel_plugin import check_custom_policy
+from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner,
+                              checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .hybrid_sp import replica_groups
 from .moe_dispatch import EpExperts, expert_params, expert_spec_of, find_experts, shard_experts
-from .moe_grads import Stage0Optimizer, moe_groups, reduce_moe_gradients
+from .moe_grads import (MoeDims, Stage0Optimizer, average_over_ep, moe_groups,
+                        reduce_moe_gradients)
 from .options import check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
@@ -58,9 +66,14 @@ class MoeHybridParallelPlugin(Plugin):
         tp_size: tensor-parallel ranks per replica (consecutive ranks); as in
             ``HybridParallelPlugin``, it must divide the attention heads, kv heads, dense FFN
             size and vocabulary. The MoE blocks stay whole on the tp ranks.
-        pp_size: must be 1 (``ValueError`` otherwise: not implemented with experts).
-        ep_size: ranks an MoE layer's experts are split over; divides ``world / tp_size``
-            and every MoE layer's expert count.
+        pp_size: pipeline ranks, as in ``HybridParallelPlugin``: train with
+            ``booster.execute_pipeline``; ``zero_stage`` <= 1; one of num_microbatches /
+            microbatch_size; ``pp_style`` "1f1b" or "interleaved" ("zbv" raises). A model
+            that adds its router aux loss
+            (``config.output_router_logits=True``) raises ``ValueError`` at ``boost``: the
+            last stage never sees the other stages' router logits.
+        ep_size: ranks an MoE layer's experts are split over; divides
+            ``world / (pp_size x tp_size)`` and every MoE layer's expert count.
         sp_size: None or 1 (sequence parallelism is refused).
         zero_stage: 0 (whole optimizer state on every rank; gradients all-reduced), 1 or 2
             (ZeRO over the moe-dp group, ``world/(ep x tp)`` ranks: see :meth:`wrap_optimizer`).
@@ -68,10 +81,11 @@ class MoeHybridParallelPlugin(Plugin):
             ``"fp32"``.
         use_fp8: FP8 GEMMs for linear layers (on their tp shards) and FP8 grouped-GEMM experts.
         fp8_communication: the dispatch all-to-all carries e4m3 rows with one FP32 scale per
-            row (per token choice); the combine, every gradient all-to-all, the gradient
-            reductions and ZeRO's gathers stay in their dtype.
-        moe_dp_outside: Colossal-AI's layout switch; with ``pp_size=1`` both values give the
-            same layout (``moe_grads``).
+            row (per token choice); with pp the stage boundaries go FP8 as under
+            ``HybridParallelPlugin`` (``comm_config``); the combine, every gradient all-to-all,
+            the gradient reductions and ZeRO's gathers stay in their dtype.
+        moe_dp_outside: Colossal-AI's layout switch: ``(moe_dp, pp, ep, tp)`` (True) or
+            ``(pp, moe_dp, ep, tp)``; with ``pp_size=1`` both are one layout (``moe_grads``).
         custom_policy, parallel_output, gradient_checkpoint_config, zero_bucket_size_in_m,
             communication_dtype, min_scale, growth_factor, backoff_factor, max_scale,
             hysteresis, cpu_offload: as in ``HybridParallelPlugin``.
@@ -79,25 +93,30 @@ class MoeHybridParallelPlugin(Plugin):
             True; Colossal-AI turns it off for MoE too).
         enable_sequence_parallelism: True raises; sequence_parallelism_mode is then ignored
             (INFO). num_microbatches, microbatch_size, pp_style, num_model_chunks,
-            num_layers_per_stage, scheduler_nodes: ignored at ``pp_size=1`` (INFO).
+            num_layers_per_stage, scheduler_nodes: as in ``HybridParallelPlugin``; ignored at
+            ``pp_size=1`` (INFO).
         enable_all_optimization, enable_fused_normalization, enable_flash_attention,
             enable_jit_fused, enable_metadata_cache, make_vocab_size_divisible_by,
             overlap_p2p, overlap_allgather, broadcast_buffers, ddp_bucket_cap_mb,
             find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph:
             Colossal-AI's internals: a non-default value logs once what fp8boost does instead.
         **options: the shared plugin options (``max_norm``: the global norm over every
-            expert of every rank, tp shards, and the replicated parameters once).
+            expert of every rank, every stage, tp shards, and the replicated parameters once).
 
     Checkpoints (:mod:`~fp8boost.plugins.checkpoint_io.moe`): ``save_model`` writes the HF
     layout with every expert (all-gathered over ep) and every tp shard (gathered over tp);
     ``load_model`` reads such a file (or ``save_pretrained``'s) at any ep and tp size.
     Optimizer state (``save_optimizer``, in ``save_checkpoint``: one directory per ep rank and
     tp rank) is re-shardable over ep, dp and ZeRO stage; loading it at another tp size raises
-    ``ValueError``.
+    ``ValueError``. With ``pp_size > 1`` ``save_model`` gathers the stages too (the file loads
+    at any pp, ep and tp size); optimizer state under pp raises ``ValueError`` (not
+    implemented: ``checkpoint_io.moe.refuse_pipeline_optimizer``).
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
         >>> plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2)  # doctest: +SKIP
+        >>> plugin = MoeHybridParallelPlugin(pp_size=2, ep_size=2, num_microbatches=4)  # doctest: +SKIP
+        >>> # out = booster.execute_pipeline(iter(loader), model, optimizer=opt)
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
@@ -154,16 +173,20 @@ class MoeHybridParallelPlugin(Plugin):
                              "token dispatch in FP8)")
         self.reduce_bucket_numel = check_bucket_size(self.colossal.reduce_bucket_size_in_m,
                                                      self.fp8_communication)
-        self.tp_size, self.ep_size, self.zero_stage = tp_size, ep_size, zero_stage
+        self.tp_size, self.pp_size, self.ep_size = tp_size, pp_size, ep_size
+        self.zero_stage, self.pipeline = zero_stage, self.colossal.pipeline
+        self.enable_sequence_parallelism = False  # read by the shared pipeline step
         self.moe_dp_outside, self.custom_policy, self.cpu_offload = \
             moe_dp_outside, custom_policy, cpu_offload
-        self.ep_group = self.moe_dp_group = None
-        self.tp_state = self.input_guard = None
+        self.ep_group = self.moe_dp_group = self.norm_group = None
+        self.tp_state = self.input_guard = self.pp_state = None
+        self._layout = None
         self._expert_ids: set[int] = set()
         self._sync = True
 
     def __repr__(self) -> str:
-        return (f"MoeHybridParallelPlugin(tp_size={self.tp_size}, ep_size={self.ep_size}, "
+        return (f"MoeHybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.pp_size}, "
+                f"ep_size={self.ep_size}, "
                 f"zero_stage={self.zero_stage}, precision={self.precision!r}, "
                 f"use_fp8={self.use_fp8}, fp8_communication={self.fp8_communication})")
 
@@ -173,11 +196,12 @@ class MoeHybridParallelPlugin(Plugin):
         from fp8boost.parallel.tp.input_guard import debug_every_step
 
         super().validate(model, optimizer)
-        world, ep, tp = _world_hint(), self.ep_size, self.tp_size
-        if world % (ep * tp):
-            raise ValueError(f"ep_size={ep} x tp_size={tp} does not divide the world size "
-                             f"{world}: use an ep_size and tp_size whose product divides the "
-                             "number of ranks")
+        world, ep, tp, pp = _world_hint(), self.ep_size, self.tp_size, self.pp_size
+        if world % (pp * ep * tp):
+            sizes = f"pp_size={pp} x ep_size={ep} x tp_size={tp}" if pp > 1 else \
+                f"ep_size={ep} x tp_size={tp}"
+            raise ValueError(f"{sizes} does not divide the world size {world}: use sizes "
+                             "whose product divides the number of ranks")
         experts = find_experts(model)
         if ep > 1 and not experts:
             raise ValueError("ep_size > 1 but the model has no fused-expert MoE module "
@@ -191,36 +215,54 @@ class MoeHybridParallelPlugin(Plugin):
         self._plan = resolve_plan(model, self.custom_policy) if tp > 1 else None
         if self._plan is not None:
             check_plan(model, self._plan, tp)  # before any collective
-        self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config)
+        # the HF decoder structure and no router aux loss (the last stage never sees the
+        # router logits of the others: check_pipeline_model refuses it, naming the fix)
+        self._layout = pipeline_layout(model, pp, self.pipeline) if pp > 1 else None
+        self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
+                                              self._layout)
 
     def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
-        """``gradient_checkpoint_config`` picks the decoder layers that recompute; then move
-        and cast (``Plugin.build_model``)."""
+        """``gradient_checkpoint_config`` picks the decoder layers that recompute; with
+        ``pp_size > 1`` keep this rank's pipeline stages (``hybrid_pipeline.strip_model``,
+        dropping the others' parameters from ``optimizer``); then move and cast
+        (``Plugin.build_model``)."""
         apply_checkpointing(model, self._ckpt_flags)
+        self.pp_state = strip_model(model, optimizer, self._layout, self.topology()) \
+            if self._layout is not None else None
         super().build_model(model, optimizer, device)
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         from fp8boost.parallel.tp import apply_tp
         from fp8boost.parallel.tp.input_guard import ReplicaInputGuard
 
-        broadcast_module(model, None)  # every rank starts from rank 0's full model
         topo = self.topology(device)
-        self.ep_group, self.moe_dp_group = moe_groups(self.ep_size, self.tp_size)
+        if self.pp_state is not None:  # each stage from its lowest rank (and the tied weight)
+            broadcast_stage(model, self.pp_state)
+        else:
+            broadcast_module(model, None)  # every rank starts from rank 0's full model
+        self.ep_group, self.moe_dp_group, self.norm_group = moe_groups(topo.dims)
         if self._plan is not None:  # attention/dense MLPs split; MoE blocks stay whole
-            self.tp_state = apply_tp(model, self._plan, topo.group("tp"),
+            plan = stage_plan(self._plan, model) if self.pp_state is not None else self._plan
+            self.tp_state = apply_tp(model, plan, topo.group("tp"),
                                      fp8_communication=self.fp8_communication)
         shard_experts(model, self.ep_group, fp8=self.fp8_communication)
         self._expert_ids = expert_params(model)
         self._model = model
-        groups = replica_groups(self, topo)  # the tp ranks of a replica read one batch
+        if self.pp_state is not None:
+            build_runner(model, self.pp_state, self.pipeline, device=device,
+                         act_dtype=DTYPES[self.precision], tp_size=self.tp_size,
+                         sequence_parallel=False, fp8_communication=self.fp8_communication,
+                         comm_config=self.comm_config)
+        groups = replica_groups(self, topo)  # the tp and pp ranks of a replica read one batch
         self.input_guard = ReplicaInputGuard(groups, device, self._debug_inputs) \
             if groups else None
         return model
 
     def wrap_model(self, module: nn.Module, optimizer) -> ModelWrapper:
-        wrapped = ModelWrapper(module, DTYPES[self.precision])
-        if self.input_guard is not None:
-            self.input_guard.attach(wrapped)
+        wrapper = PipelineModel if self.pp_state is not None else ModelWrapper
+        wrapped = wrapper(module, DTYPES[self.precision])
+        if self.input_guard is not None and self.pp_state is None:
+            self.input_guard.attach(wrapped)  # pipelines check in execute_pipeline
         return wrapped
 
     def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
@@ -233,11 +275,15 @@ class MoeHybridParallelPlugin(Plugin):
         gradient is averaged over the ep group (a post-accumulate hook, registered first) and
         each expert gradient is divided by ep (a gradient hook), so its moe-dp average is the
         dp average. The global gradient norm (``max_norm``) and the FP16 overflow flag span
-        the tp group (tp shards; replicated parameters weighted 1/tp) and the ep group (its
-        ranks hold different experts; the non-expert parameters counted on ep rank 0 only)."""
+        the tp group (tp shards; replicated parameters weighted 1/tp) and the pp x ep group
+        (its ranks hold different stages and experts; a stage's non-expert parameters counted
+        on its ep rank 0 only, a tied embedding on the first stage only)."""
         topo = self.topology()
         shared = [] if dist.get_rank(self.ep_group) == 0 else \
             [p for p in model.parameters() if id(p) not in self._expert_ids]
+        st = self.pp_state  # the last stage's tied embedding copy: the first stage counts it
+        if st is not None and st.tied is not None and st.rank != st.layout.rank_of(0):
+            shared.append(st.tied)
         sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
         replicated = [p for n, p in model.named_parameters() if n not in sharded]
         zero = self.zero_stage > 0
@@ -251,7 +297,7 @@ class MoeHybridParallelPlugin(Plugin):
             overlap_communication=False, reduce_bucket_numel=self.reduce_bucket_numel,
             max_norm=self.max_norm, cpu_offload=self.cpu_offload,
             tp_group=topo.group("tp") if self.tp_size > 1 else None, tp_replicated=replicated,
-            pp_group=self.ep_group, pp_counted_elsewhere=shared,
+            pp_group=self.norm_group, pp_counted_elsewhere=shared,
             loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
                                     self.colossal.loss_scale),
             fused_master_step=self.fused_master_step)
@@ -271,6 +317,56 @@ class MoeHybridParallelPlugin(Plugin):
                 p.register_hook(lambda g: g / ep)
             else:
                 p.register_post_accumulate_grad_hook(average)
+
+    # ------------------------------------------------------------------ pipeline
+    @property
+    def dims(self) -> MoeDims:
+        """The (dp, pp, tp) cut with Colossal-AI's MoE rank layout (``moe_grads.MoeDims``:
+        dp = moe-dp x ep; initialises the process group if needed)."""
+        base = super().dims
+        return MoeDims(dp=base.dp, pp=base.pp, tp=base.tp, world_size=base.world_size,
+                       ep=self.ep_size, moe_dp_outside=self.moe_dp_outside)
+
+    _stage_manager = None
+
+    @property
+    def stage_manager(self):
+        """Colossal-AI's ``plugin.stage_manager``: None when ``pp_size == 1``, else this
+        rank's ``PipelineStageManager`` (as ``HybridParallelPlugin.stage_manager``, on this
+        plugin's rank layout; built on first access)."""
+        if self.pp_size == 1:
+            return None
+        if self._stage_manager is None:
+            from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
+            self._stage_manager = PipelineStageManager(
+                self.dims, dist.get_rank(), self.pipeline.num_model_chunks,
+                self.pipeline.pp_style)
+        return self._stage_manager
+
+    def execute_pipeline(self, data_iter, model, criterion=None, optimizer=None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """One pipeline step (``pp_size > 1``), as ``HybridParallelPlugin.execute_pipeline``
+        (same arguments and result; the micro-batches' tokens are dispatched over each
+        stage's ep group). Gradients are then reduced as at ``pp_size=1``, per stage: by
+        :meth:`reduce_gradients` at ``zero_stage=0``; at ``zero_stage=1`` the non-expert ones
+        averaged over ep (:func:`~fp8boost.plugins.moe_grads.average_over_ep`, once, not in
+        every micro-batch's backward), then ZeRO's reduction over moe-dp."""
+        def reduce() -> None:
+            if self.zero_stage == 0:
+                self.reduce_gradients()
+                optimizer.gradients_reduced = True
+                return
+            if self.ep_size > 1:
+                average_over_ep(self._model.parameters(), self._expert_ids, self.ep_group,
+                                self.ep_size)
+            optimizer.reduce_gradients()
+
+        old, self._sync = self._sync, False  # the per-parameter ep hooks wait for reduce()
+        try:
+            return checked_execute_pipeline(self, data_iter, model, criterion, optimizer,
+                                            return_loss, return_outputs, reduce)
+        finally:
+            self._sync = old
 
     # ------------------------------------------------------------------ gradients
     def reduce_gradients(self) -> None:

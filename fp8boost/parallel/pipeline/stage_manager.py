@@ -33,6 +33,22 @@ from typing import Optional
 from fp8boost.parallel.mesh import ParallelDims
 
 
+def rank_with(dims: ParallelDims, rank: int, **changes: int) -> int:
+    """The global rank whose coordinates are ``rank``'s with ``changes`` applied.
+
+    Found through ``dims.coords`` alone, so it holds for any rank layout a ``ParallelDims``
+    (sub)class defines (``MoeHybridParallelPlugin`` lays ep between pp and tp, as Colossal-AI).
+
+    Raises:
+        ValueError: no rank has those coordinates.
+    """
+    want = {**dims.coords(rank), **changes}
+    for r in range(dims.world_size):
+        if dims.coords(r) == want:
+            return r
+    raise ValueError(f"no rank has the coordinates {want}")
+
+
 class PipelineStageManager:
     """This rank's place in the pipeline (see the module docstring)."""
 
@@ -51,7 +67,7 @@ class PipelineStageManager:
         self.model_chunk_id: Optional[int] = None
 
         def global_rank(pp_index: int) -> int:
-            return (coords["dp"] * dims.pp + pp_index) * dims.tp + coords["tp"]
+            return rank_with(dims, rank, pp=pp_index)
 
         self.prev_rank = global_rank((self.stage - 1) % dims.pp)
         self.next_rank = global_rank((self.stage + 1) % dims.pp)

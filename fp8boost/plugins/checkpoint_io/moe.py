@@ -4,7 +4,10 @@ state per expert-parallel rank in the re-shardable optimizer format.
 Model files (``save_model`` / ``load_model``): the HF layout with all E experts of each layer
 (all-gathered over the ep group one Parameter at a time; with ``tp_size > 1`` all at once,
 then the tp shards are gathered as ``HybridParallelPlugin``'s export does); they load at any
-ep and tp size. Optimizer state with ``tp_size > 1`` is refused (``ValueError``).
+ep and tp size. Optimizer state saved at one tp size and loaded at another is refused
+(``ValueError``). With ``pp_size > 1`` the model files are gathered over pp too (each stage's
+tensors sent to rank 0 by their owner, ``hybrid_pp``) and load at any pp, ep and tp size;
+optimizer state under pp is refused (:func:`refuse_pipeline_optimizer`).
 
 Optimizer directory (``save_optimizer``; also ``optimizer/`` inside ``save_checkpoint``)::
 
@@ -65,6 +68,26 @@ def ep_subdir(ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1) ->
     return f"ep{ep_rank:05d}-of-{ep_size:05d}{tp}"
 
 
+def refuse_pipeline_optimizer(plugin, what: str) -> None:
+    """Raise before any collective if ``plugin`` runs pipeline stages (no process group use).
+
+    The optimizer format here is one directory per (ep, tp) rank, positional over the
+    optimizer's parameters; under pp every stage holds other parameters, and neither a
+    per-stage directory nor a name-keyed merge over stages (``hybrid_pp``'s DCP path) exists
+    for the per-ep expert slices yet.
+
+    Raises:
+        ValueError: ``plugin.pp_size > 1``.
+    """
+    if plugin.pp_size > 1:
+        raise ValueError(
+            f"MoeHybridParallelPlugin(pp_size={plugin.pp_size}): {what} of the optimizer is not "
+            "implemented under pipeline parallelism (the MoE optimizer directories are per ep "
+            "and tp rank, without per-stage sub-directories or a merge of the stages' "
+            "parameters); save the model (booster.save_model / save_checkpoint without an "
+            "optimizer) or train with pp_size=1 to checkpoint the optimizer")
+
+
 class MoeCheckpointIO(GeneralCheckpointIO):
     """``GeneralCheckpointIO`` whose model files hold every expert and whose optimizer
     directories hold one re-shardable optimizer sub-directory per ep rank (module docstring).
@@ -82,9 +105,10 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         return [m for m in self.plugin.unwrap_model(model).modules() if isinstance(m, EpExperts)]
 
     def _write_model_into(self, model, directory: str, shard: bool, size_mb: float) -> None:
-        """With ``tp_size > 1``: every rank holds its experts whole for the export (gathered
-        over ep), then ``HybridParallelPlugin``'s export gathers the tp shards onto rank 0."""
-        if self.plugin.tp_size == 1:
+        """With ``tp_size > 1`` or ``pp_size > 1``: every rank holds its experts whole for the
+        export (gathered over ep), then ``HybridParallelPlugin``'s export gathers the tp
+        shards and the stages onto rank 0."""
+        if self.plugin.tp_size == 1 and self.plugin.pp_size == 1:
             return super()._write_model_into(model, directory, shard, size_mb)
         from .hybrid import write_hf_gathered
         if coord.rank(self.group) == 0:
@@ -95,7 +119,8 @@ class MoeCheckpointIO(GeneralCheckpointIO):
     def load_model(self, model: nn.Module, path: str, strict: bool = True) -> None:
         verify_checksums(os.fspath(path), self.group)
         with whole_experts(self._experts(model)):
-            if self.plugin.tp_size > 1:  # each rank reads its tp slices (experts whole)
+            if self.plugin.tp_size > 1 or self.plugin.pp_size > 1:
+                # each rank reads its tp slices of its stages' keys (experts whole)
                 from .hybrid import read_hf_sliced
                 read_hf_sliced(self.plugin, model, os.fspath(path), strict)
             else:
@@ -116,7 +141,20 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         return ep_subdir(ep_rank, ep_size, st.rank if st is not None else 0,
                          self.plugin.tp_size)
 
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
+                        extra: Optional[dict] = None) -> None:
+        if optimizer is not None:
+            refuse_pipeline_optimizer(self.plugin, "save_checkpoint")
+        super().save_checkpoint(path, model, optimizer, lr_scheduler, extra)
+
+    def load_checkpoint(self, path: str, model: nn.Module, optimizer=None,
+                        lr_scheduler=None) -> dict:
+        if optimizer is not None:
+            refuse_pipeline_optimizer(self.plugin, "load_checkpoint")
+        return super().load_checkpoint(path, model, optimizer, lr_scheduler)
+
     def save_optimizer(self, optimizer, path: str) -> None:
+        refuse_pipeline_optimizer(self.plugin, "save_optimizer")
         check_optimizer(optimizer)
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
                         (MOE_OPTIM_INDEX,))
@@ -149,6 +187,7 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         write_optimizer(optimizer, sub, is_writer)
 
     def load_optimizer(self, optimizer, path: str) -> None:
+        refuse_pipeline_optimizer(self.plugin, "load_optimizer")
         check_optimizer(optimizer)
         path = os.fspath(path)
         saved_ep = self._saved_ep_size(path)  # every rank raises alike, before any collective
