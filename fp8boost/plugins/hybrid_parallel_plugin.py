@@ -349,7 +349,7 @@ class HybridParallelPlugin(Plugin):
             fp8_communication=self.fp8_communication, comm_config=self.comm_config,
             fp8_reduce_scatter=self.fp8_reduce_scatter,
             fp8_params=[m.weight for m in fp8_layers(model)
-                        if not is_granular(m) or block_gathered(m, zero_ranks)],
+                        if not is_granular(m) or block_gathered(m, zero_ranks, self.comm_config)],
             tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
             pp_counted_elsewhere=self._tied_copy())
@@ -358,7 +358,7 @@ class HybridParallelPlugin(Plugin):
         if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
             from fp8boost.fp8.moe.comm import report_expert_gather
             report_granular_gather(self.comm_report, "HybridParallelPlugin", model,
-                                   opt.dp_world)
+                                   opt.dp_world, self.comm_config)
             report_expert_gather(self.comm_report, "HybridParallelPlugin", model)
         return opt
 
