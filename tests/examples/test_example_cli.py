@@ -24,8 +24,10 @@ from tests.examples.example_env import ROOT, SCRIPT, SHORT, example_modules
 @pytest.fixture(scope="module")
 def ex():
     """The example's modules, imported the way the script imports them."""
-    with example_modules("checkpointing", "train_llama") as (checkpointing, train_llama):
-        yield type("Ex", (), dict(checkpointing=checkpointing, train=train_llama))
+    with example_modules("checkpointing", "train_llama", "training") as (checkpointing,
+                                                                         train_llama, training):
+        yield type("Ex", (), dict(checkpointing=checkpointing, train=train_llama,
+                                  training=training))
 
 
 def _launch(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -75,7 +77,7 @@ def test_a_genuine_crash_still_shows_its_traceback(ex, monkeypatch):
     # Only argument errors are shortened: an error after validation propagates unchanged.
     def boom(*args, **kwargs):
         raise ValueError("deep inside training")
-    monkeypatch.setattr(ex.train, "setup", boom)
+    monkeypatch.setattr(ex.training, "setup", boom)  # train() calls it from there
     with pytest.raises(ValueError, match="deep inside training"):
         ex.train.main(["--steps", "1", "--no-progress"])
 

@@ -35,8 +35,10 @@ def ex():
     try:
         import checkpointing
         import data
+        import run_setup
         import train_llama
-        yield type("Ex", (), dict(data=data, checkpointing=checkpointing, train=train_llama))
+        yield type("Ex", (), dict(data=data, checkpointing=checkpointing, train=train_llama,
+                                  run_setup=run_setup))
     finally:
         sys.path.remove(str(EXAMPLES))
 
@@ -178,7 +180,7 @@ def test_nonfinite_step_is_skipped_and_logged_then_stops(ex, tmp_path, monkeypat
         model.get_input_embeddings().register_forward_hook(poison)
         return real(model, args)
 
-    monkeypatch.setattr(ex.train, "prepare_model", prepare)
+    monkeypatch.setattr(ex.run_setup, "prepare_model", prepare)  # setup() calls it from there
     fast = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--no-progress",
             "--eval-every", "0", "--val-fraction", "0", "--steps", "3"]
     with pytest.warns(RuntimeWarning, match="non-finite loss on rank 0 at optimizer step 2"):
