@@ -121,13 +121,7 @@ def reduce_moe_gradients(params, expert_ids: set[int], dp_group, moe_dp_group,
             p.grad = torch.zeros_like(p)
         buckets.setdefault((id(p) in expert_ids, p.grad.dtype), []).append(p.grad)
     for (expert, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=moe_dp_group if expert else dp_group)
-        flat.div_(dp_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        _mean_flat(grads, moe_dp_group if expert else dp_group, dp_size)
 
 
 def average_over_ep(params, expert_ids: set[int], ep_group, ep: int) -> None:
@@ -141,13 +135,18 @@ def average_over_ep(params, expert_ids: set[int], ep_group, ep: int) -> None:
                 p.grad = torch.zeros_like(p)
             buckets.setdefault(p.grad.dtype, []).append(p.grad)
     for _, grads in sorted(buckets.items(), key=lambda kv: str(kv[0])):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ep_group)
-        flat.div_(ep)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        _mean_flat(grads, ep_group, ep)
+
+
+def _mean_flat(grads: list[torch.Tensor], group, divisor: int) -> None:
+    """Sum ``grads`` over ``group`` as one flat all-reduce, divide by ``divisor``, in place."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(divisor)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class Stage0Optimizer(ZeroOptimizer):
