@@ -99,28 +99,31 @@ def destroy_at_exit() -> None:
         leave_process_group()
 
 
-def leave_process_group() -> None:
-    """Destroy the default process group (and every group made from it), all ranks together.
+def leave_process_group(group=None) -> None:
+    """Destroy ``group`` (default: the default process group and every group made from it),
+    its ranks together.
 
     Under gloo a rank that tore its pairs down while a peer still finished its last sends
     aborted the peer ("terminate called without an active exception": the README's 4-rank
     pipeline example, a Colossal-AI script's ``coordinator.destroy()``), so the ranks first
     meet at a barrier bounded to 30 s: a rank whose peers died does not wait for the
-    collective timeout. NCCL and one-rank groups are destroyed at once.
+    collective timeout. NCCL and one-rank groups are destroyed at once. Call it on every rank
+    of ``group``.
 
     Example:
         >>> from fp8boost.plugins.distributed import leave_process_group
         >>> leave_process_group()  # doctest: +SKIP
     """
-    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+    if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
         try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=30),
+                                   wait_all_ranks=True)
         except RuntimeError as e:  # a peer is gone: nothing to wait for, but say so
             _state.log_once(_LOG, "leave-barrier-failed",
                             f"fp8boost: rank {dist.get_rank()} leaves the process group without "
                             f"its peers (teardown barrier failed within 30 s: {e}); a peer may "
                             "have exited or crashed", all_ranks=True)
-    dist.destroy_process_group()
+    dist.destroy_process_group(group)
 
 
 def _job_store(rank: int, world: int, timeout: datetime.timedelta):

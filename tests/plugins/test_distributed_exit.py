@@ -54,3 +54,28 @@ def test_leaving_without_peers_says_so(monkeypatch, caplog):
     assert destroyed == [True]
     assert "rank 1 leaves the process group without its peers" in caplog.text, caplog.text
     assert "timed out in monitoredBarrier" in caplog.text
+
+
+def _leave_subgroup(rank: int, world: int) -> list:
+    import torch
+    import torch.distributed as dist
+
+    from fp8boost.colossal.cluster import DistCoordinator
+
+    sub = dist.new_group([0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sub)
+    calls = []
+    real = dist.monitored_barrier
+    dist.monitored_barrier = lambda *a, **k: calls.append(k.get("group")) or real(*a, **k)
+    try:
+        DistCoordinator().destroy(sub)  # the subgroup's ranks meet, then destroy it
+    finally:
+        dist.monitored_barrier = real
+    dist.all_reduce(t)  # the default group is untouched
+    return [calls == [sub], t.item()]
+
+
+def test_coordinator_destroys_a_subgroup_with_its_ranks_together():
+    from tests.dist_utils import run_distributed
+    assert run_distributed(_leave_subgroup, 2) == [[True, 4.0], [True, 4.0]]

@@ -100,11 +100,8 @@ class DistCoordinator:
                 self.block_all(process_group)  # release the others
 
     def destroy(self, process_group: Optional[ProcessGroup] = None) -> None:
-        """Destroy ``process_group`` (default: the whole job's, its ranks leaving together)."""
-        if process_group is None or process_group == dist.group.WORLD:
-            leave_process_group()
-        else:
-            dist.destroy_process_group(process_group)
+        """Destroy ``process_group`` (default: the whole job's), its ranks leaving together."""
+        leave_process_group(None if process_group == dist.group.WORLD else process_group)
 
     def on_master_only(self, process_group: Optional[ProcessGroup] = None) -> Callable:
         """Decorator: the function runs on the master of ``process_group`` only (None elsewhere).
