@@ -20,10 +20,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.parallel.granular_spy import GranularCastSpy
 
 E4M3 = torch.float8_e4m3fn
 BLOCK_LAYERS = (0, 2)  # [256, 200]: 128-row shards, partial K blocks; [512, 256]
@@ -43,32 +43,6 @@ def _batch(rank: int, step: int):
     x = torch.randn(8, 200, generator=g)
     x[:, 9] *= 200.0
     return x, torch.randn(8, 100, generator=g)
-
-
-class _Spy:
-    """Counts ``dist.all_reduce`` calls and the granular weight casts."""
-
-    def __init__(self):
-        import fp8boost.fp8.granular.function as fn
-        self.fn, self.reduces, self.weight_casts = fn, 0, 0
-        self._ar, self._q = dist.all_reduce, fn._quantize
-
-    def __enter__(self):
-        spy = self
-
-        def all_reduce(*a, **k):
-            spy.reduces += 1
-            return spy._ar(*a, **k)
-
-        def quantize(x, *a, weight, **k):
-            spy.weight_casts += weight
-            return spy._q(x, *a, weight=weight, **k)
-
-        dist.all_reduce, self.fn._quantize = all_reduce, quantize
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce, self.fn._quantize = self._ar, self._q
 
 
 def _worker(rank: int, ws: int) -> dict:
@@ -105,7 +79,7 @@ def _worker(rank: int, ws: int) -> dict:
         with torch.no_grad():
             for i in full:
                 single[i].weight.copy_(full[i])
-        with _Spy() as spy:
+        with GranularCastSpy() as spy:
             pred = model(x)
             loss = nn.functional.mse_loss(pred, y)
             loss.backward()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.parallel.granular_spy import GranularCastSpy
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = (0, 2)  # [256, 200] and [512, 256]: 128-row chunks on 2 ranks; [100, 512] does not fit
@@ -42,32 +43,6 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return x
 
 
-class _Spy:
-    """Counts ``dist.all_reduce`` calls and each layer's granular weight casts."""
-
-    def __init__(self):
-        import fp8boost.fp8.granular.function as fn
-        self.fn, self.reduces, self.weight_casts = fn, 0, 0
-        self._ar, self._q = dist.all_reduce, fn._quantize
-
-    def __enter__(self):
-        spy = self
-
-        def all_reduce(*a, **k):
-            spy.reduces += 1
-            return spy._ar(*a, **k)
-
-        def quantize(x, *a, weight, **k):
-            spy.weight_casts += weight
-            return spy._q(x, *a, weight=weight, **k)
-
-        dist.all_reduce, self.fn._quantize = all_reduce, quantize
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce, self.fn._quantize = self._ar, self._q
-
-
 def _train(stage: int, fp8: bool, rank: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     from fp8boost.fp8.granular import quantize_blocks
     from fp8boost.parallel.comm.config import Fp8CommConfig
@@ -80,11 +55,11 @@ def _train(stage: int, fp8: bool, rank: int, dtype: torch.dtype = torch.bfloat16
     opt.bind_fp8_layers(model)
     out = {"losses": [], "bytes": [], "casts": [], "gather_reduces": [], "decoded": []}
     for step in range(3):
-        with _Spy() as spy:
+        with GranularCastSpy() as spy:
             loss = model(_batch(rank, step).to(dtype)).float().pow(2).mean()
             opt.backward(loss)
         out["casts"].append(spy.weight_casts)
-        with _Spy() as spy:
+        with GranularCastSpy() as spy:
             opt.step()
         out["gather_reduces"].append(spy.reduces)
         opt.zero_grad()
