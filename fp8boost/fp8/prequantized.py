@@ -198,16 +198,11 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
 
 def dequantize_weight(w: Fp8WeightTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The weight's value as a plain tensor (default: the dtype ``w`` presents)."""
-    return dequantize(w.fp8_data, block_inv_scales(w) if w.block else w.inv_scale,
-                      dtype or w.dtype)
-
-
-def block_inv_scales(w: Fp8WeightTensor) -> torch.Tensor:
-    """A block-scaled carrier's inverse scale of every element, ``[N, K]`` FP32."""
-    n, k = w.fp8_data.shape
-    b = w.block
-    s = w.inv_scale[:-(-n // b), :-(-k // b)].float()
-    return s.repeat_interleave(b, dim=0)[:n].repeat_interleave(b, dim=1)[:, :k]
+    if w.block:  # the blockwise recipe's operand type expands the block scales
+        # Imported here: fp8.granular imports this module.
+        from .granular.quantize import GranularFp8
+        return GranularFp8(w.fp8_data, w.inv_scale, "block", w.block).dequantize(dtype or w.dtype)
+    return dequantize(w.fp8_data, w.inv_scale, dtype or w.dtype)
 
 
 def fp8_operand_mismatch(t: Fp8WeightTensor, role: str, fwd_dtype: torch.dtype, delayed: bool,
