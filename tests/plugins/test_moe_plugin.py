@@ -32,26 +32,19 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.fp8.test_moe import COMMON, family_config
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
 GLOBAL, SEQ, STEPS, LR = 4, 8, 3, 0.5
 
 
 def tiny(family: str, no_high_experts: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    t = transformers
-    if family == "mixtral":
-        cfg = t.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4,
-                              num_experts_per_tok=2)
-    else:
-        cfg = t.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=32,
-                               num_experts=4, num_experts_per_tok=2, head_dim=16)
+    cfg = family_config(family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = t.AutoModelForCausalLM.from_config(cfg).float()
+        model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     if no_high_experts:
         for layer in model.model.layers:
             layer.mlp.gate = LowExpertsOnly(layer.mlp.gate)

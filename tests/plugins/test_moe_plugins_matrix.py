@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.fp8.test_moe import COMMON, family_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,9 +59,7 @@ FAMILIES = ("mixtral", "qwen3_moe")
 CASES = ("ddp", "zero1", "zero2", "zero2+comm", "gemini", "gemini+comm", "fsdp", "pp2", "tp2",
          "tp2+sp", "ddp+fp32", "gemini+fp32", "tp2+fp32", "tp2+sp+fp32", "tp2+sp+nofp8")
 NO_AUX = ("tp2+sp", "pp2")  # refused with output_router_logits=True (see the docstring)
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, router_aux_loss_coef=0.02,
-              use_cache=False)
+MATRIX_EXTRA = dict(router_aux_loss_coef=0.02, use_cache=False)  # on top of test_moe's COMMON
 GLOBAL, SEQ, STEPS, LR = 4, 8, 3, 0.5
 # (loss rel, master rel to the distance travelled); measured worst of both families, 3 steps:
 TOL_EXACT = (1e-6, 1e-5)  # ddp, zero1/2, pp2: 5e-8, 0
@@ -75,13 +74,7 @@ AUX_TOL = (1e-6, 5e-3)  # exact cases: 0; others: 2.7e-3
 def tiny(family: str, aux: bool = True) -> torch.nn.Module:
     """The tiny MoE causal LM of ``family`` (seed 0), FP32 holding BF16-exact values."""
     torch.manual_seed(0)
-    kw = dict(COMMON, output_router_logits=aux)
-    if family == "mixtral":
-        cfg = transformers.MixtralConfig(**kw, intermediate_size=32, num_local_experts=4,
-                                         num_experts_per_tok=2)
-    else:
-        cfg = transformers.Qwen3MoeConfig(**kw, intermediate_size=64, moe_intermediate_size=32,
-                                          num_experts=4, num_experts_per_tok=2, head_dim=16)
+    cfg = family_config(family, **MATRIX_EXTRA, output_router_logits=aux)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_config(cfg).float()
