@@ -155,11 +155,11 @@ def _tile_cast_kernel(x_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr, ramax_ptr, camax_
 
 
 @triton.jit
-def _amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c,
-                    ROWS: tl.constexpr, COLS: tl.constexpr, IDX64: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Rowwise pass 1: this tile's row and column amaxes (|x| bit patterns) into zeroed int32
-    # buffers by integer atomic max (order-independent: the result is deterministic).
+def amax_pass_tile(x_ptr, ramax_ptr, R, C, stride_r, stride_c, ROWS: tl.constexpr,
+                   IDX64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """First pass of a two-pass cast, on this program's tile: load it (zeros outside),
+    atomic-max its row amaxes (|x| bit patterns) into ``ramax_ptr`` when ``ROWS``, and return
+    ``(offs_r, offs_c, in_r, in_c, bits)`` for the caller's column amaxes."""
     offs_r, offs_c = tile_offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
     in_c = offs_c < C
@@ -168,6 +168,17 @@ def _amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c,
     bits = abs_bits(x)
     if ROWS:
         tl.atomic_max(ramax_ptr + offs_r, tl.max(bits, axis=1), mask=in_r)
+    return offs_r, offs_c, in_r, in_c, bits
+
+
+@triton.jit
+def _amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, IDX64: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Rowwise pass 1: this tile's row and column amaxes (|x| bit patterns) into zeroed int32
+    # buffers by integer atomic max (order-independent: the result is deterministic).
+    offs_r, offs_c, in_r, in_c, bits = amax_pass_tile(x_ptr, ramax_ptr, R, C, stride_r,
+                                                      stride_c, ROWS, IDX64, BLOCK_R, BLOCK_C)
     if COLS:
         tl.atomic_max(camax_ptr + offs_c, tl.max(bits, axis=0), mask=in_c)
 

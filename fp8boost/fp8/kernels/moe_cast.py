@@ -45,9 +45,9 @@ import triton
 import triton.language as tl
 
 from ..scaling import FP8_DTYPES, fp8_max
-from .cast import abs_bits, tl_scale_from_amax
-from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES, fp8_bytes,
-                            needs_int64, tile_offsets)
+from .cast import tl_scale_from_amax
+from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES,
+                            amax_pass_tile, fp8_bytes, needs_int64, tile_offsets)
 from .granular_cast import quantize_operands as granular_operands
 from .tuning import interpreting
 
@@ -74,14 +74,8 @@ def _group_amax_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, R, C, stride_r, str
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Pass 1: row amaxes (ROWS) and per-(expert, column) amaxes of this tile, by atomic max
     # on |x| bit patterns into zeroed int32 tables.
-    offs_r, offs_c = tile_offsets(tl.program_id(0), tl.program_id(1), R, C, BLOCK_R, BLOCK_C, IDX64)
-    in_r = offs_r < R
-    in_c = offs_c < C
-    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
-                mask=in_r[:, None] & in_c[None, :], other=0.0)
-    bits = abs_bits(x)
-    if ROWS:
-        tl.atomic_max(ramax_ptr + offs_r, tl.max(bits, axis=1), mask=in_r)
+    offs_r, offs_c, in_r, in_c, bits = amax_pass_tile(x_ptr, ramax_ptr, R, C, stride_r,
+                                                      stride_c, ROWS, IDX64, BLOCK_R, BLOCK_C)
     g = _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED)
     g_lo = tl.min(g, axis=0)
     g_hi = tl.max(tl.where(g < E, g, -1), axis=0)
