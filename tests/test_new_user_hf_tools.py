@@ -79,6 +79,8 @@ def test_trainer_on_a_gpu_runs_real_fp8_in_bf16(tmp_path):
 
 
 _FSDP2_SCRIPT = '''
+import faulthandler
+faulthandler.dump_traceback_later(150, exit=True)  # a hang: every rank's stack, then exit
 import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -124,8 +126,8 @@ def test_accelerate_fsdp2_config_trains_converted_model_on_two_gpus(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2", str(script)], cwd=tmp_path, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-8000:]
     line = next(x for x in proc.stdout.splitlines() if "distributed_type=" in x)
     assert "distributed_type=FSDP" in line and "fsdp_version=2" in line, line
     assert "fp8_layers=14" in line, line

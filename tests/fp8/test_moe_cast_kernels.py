@@ -264,6 +264,31 @@ def _median_ms(fn, n=30):
     return sorted(times)[n // 2]
 
 
+def _count_kernel_calls(monkeypatch) -> dict[str, int]:
+    """Count calls into ``moe_cast``'s public casts (looked up on the module object that
+    :func:`Q.fused_kernels` returns, so wrapping them there counts without changing what runs)."""
+    from fp8boost.fp8.kernels import moe_cast as mc
+
+    calls = {"quantize_rows": 0, "quantize_experts": 0, "quantize_groups_t": 0}
+    depth = [0]  # outermost calls only: one cast may call another of the three inside
+
+    def counting(name):
+        fn = getattr(mc, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(mc, name, counting(name))
+    return calls
+
+
 # (name, E, top-k, hidden, expert width, tokens)
 GPU_SHAPES = [("qwen3_30b_a3b", 128, 8, 2048, 768, 4096), ("mixtral_8x7b", 8, 2, 4096, 14336, 4096)]
 
@@ -271,10 +296,10 @@ GPU_SHAPES = [("qwen3_30b_a3b", 128, 8, 2048, 768, 4096), ("mixtral_8x7b", 8, 2,
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: s[0])
-def test_cuda_path_matches_reference(shape):
+def test_cuda_path_matches_reference(shape, monkeypatch):
     name, e, k, h, i, t = shape
-    one = torch.ones(1, device="cuda")
-    assert Q.fused_kernels(one, GPU_BACKEND, "tokens", E4M3, Q.ScaleOptions()) is not None
+    assert Q.fused_path_problem(torch.device("cuda")) is None
+    calls = _count_kernel_calls(monkeypatch)
     for xdtype in (torch.bfloat16, torch.float32):
         r, x = routed_input(t, k, e, h, xdtype, device="cuda")
         w = expert_weights(e, 2 * i, h, xdtype, device="cuda")
@@ -288,8 +313,12 @@ def test_cuda_path_matches_reference(shape):
                      (lambda b: Q.quantize_experts(w, so, transpose=True, backend=b),
                       "experts^T")]
             for fn, side in pairs:
+                before = sum(calls.values())
                 for got, ref in zip(fn(GPU_BACKEND), fn(None)):
                     assert_same(got, ref, f"{what} {side}")
+                # The path taken, not only the numbers: one kernel call under the GPU backend,
+                # none for the reference (backend=None).
+                assert sum(calls.values()) == before + 1, (what, side, calls)
             both = Q.quantize_tokens_and_groups_t(x, r.group, e, dtype, so, backend=GPU_BACKEND)
             for got, ref in zip(both[0] + both[1], pairs[0][0](None) + pairs[1][0](None)):
                 assert_same(got, ref, f"{what} tokens+groups_t")

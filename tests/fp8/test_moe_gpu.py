@@ -59,7 +59,7 @@ def test_cuda_grouped_linear_matches_emulated_forward_and_backward(e, t, k, h, n
     assert (out["scaled_grouped_mm"][2][empty] == 0).all()
 
 
-def test_fp8_experts_on_cuda_match_hf_bf16_and_print_speed():
+def test_fp8_experts_on_cuda_match_hf_bf16_and_print_speed(monkeypatch):
     cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768,
                                       num_experts=32, num_experts_per_tok=8)
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -78,8 +78,15 @@ def test_fp8_experts_on_cuda_match_hf_bf16_and_print_speed():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         y_ref = ref(x, idx, w)
-    y = fp8(x, idx, w)
+    from tests.fp8.test_moe_cast_kernels import _count_kernel_calls
+    calls = _count_kernel_calls(monkeypatch)
+    xg = x.detach().requires_grad_()
+    y = fp8(xg, idx, w)
     assert rel(y, y_ref) < 0.12
+    y.sum().backward()
+    # Every cast of an eager CUDA fwd+bwd took the fused Triton kernels: per projection x and
+    # its saved x^T (one call), W, then dy and dy^T (one call) and W^T.
+    assert calls == {"quantize_rows": 0, "quantize_experts": 4, "quantize_groups_t": 4}, calls
 
     def step(mod):
         xi = x.detach().requires_grad_()
@@ -128,6 +135,8 @@ def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
         for p in hf.parameters():
             p.normal_(0, 0.02)
     fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="auto"))
+    # A bare "cuda" (no index) is the device the forward sees ("cuda:0"): one cache entry,
+    # nothing resolved inside the compiled forward.
     assert fp8.options(torch.device("cuda")).backend == "scaled_grouped_mm"
     ref = copy.deepcopy(fp8)
     torch._dynamo.reset()

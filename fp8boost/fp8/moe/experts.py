@@ -43,6 +43,20 @@ from .routing import route
 _LOG = logging.getLogger("fp8boost.fp8")
 
 
+def _device_key(device: torch.device) -> torch.device:
+    """``device`` with its index filled in: ``cuda`` and ``cuda:0`` are one cache entry.
+
+    Tensors always report an indexed CUDA device, callers often pass a bare ``cuda``; keyed
+    apart, the forward would find a cache miss and resolve the options again, which under
+    ``torch.compile`` constructs :class:`ScaleOptions` inside the trace (dynamo cannot: a
+    graph break, an error with ``fullgraph=True``).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def scale_options(config: Fp8Config) -> ScaleOptions:
     """The experts' scaling from a run's config: rowwise, e4m3 (see :class:`Fp8Experts`)."""
     if config.recipe != "rowwise":
@@ -137,6 +151,7 @@ class Fp8Experts(nn.Module):
                                       self.fp8_config.backend != "emulated"):
                 return None
             device = dev
+        device = _device_key(device)
         cached = self._grouped_options
         if cached is None or cached[0] != device:
             cfg = self.fp8_config

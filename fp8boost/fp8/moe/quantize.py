@@ -98,6 +98,30 @@ def fused_kernels(x: torch.Tensor, backend: Optional[str], what: str, dtype: tor
     return kernels
 
 
+def fused_path_problem(device: torch.device, backend: str = FUSED_BACKENDS[0]) -> Optional[str]:
+    """Why eager casts of a token tensor on ``device`` would *not* take the Triton kernels.
+
+    None when they do: the question :func:`fused_kernels` answers for every call, asked with a
+    representative operand (a ``[128, 256]`` bfloat16 token tensor, e4m3, default scaling) so
+    that benches and tests can say which path they measure before they time it.
+
+    Example:
+        >>> fused_path_problem(torch.device("cpu"))
+        'cpu tensors take the torch ops (the kernels run on CUDA)'
+    """
+    device = torch.device(device)
+    if backend not in FUSED_BACKENDS:
+        return f"backend {backend!r} keeps the torch ops (fused under {FUSED_BACKENDS})"
+    if device.type != "cuda" and not interpreting():
+        return f"{device.type} tensors take the torch ops (the kernels run on CUDA)"
+    x = torch.empty(128, 256, dtype=torch.bfloat16, device=device)
+    if fused_kernels(x, backend, "probe", torch.float8_e4m3fn, ScaleOptions()) is not None:
+        return None
+    if _state.probe("moe-triton-cast", _import_kernels) is None:
+        return "the Triton kernels failed to import (see the log)"
+    return "the kernels refuse this operand (see the log)"
+
+
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype, opts: ScaleOptions, *,
                     backend: Optional[str] = None):
     """One scale per row of ``x [rows, K]``: returns ``(data [rows, K], inv_scale [rows])``.
