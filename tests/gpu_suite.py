@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -127,10 +129,10 @@ def _collect(part: Part, env: dict) -> dict[str, int]:
     return files
 
 
-def _pytest(part: Part, targets: list[str], tag: str, out: Path, hang_s: int) -> list[str]:
+def _pytest(part: Part, targets: list[str], tag: str, work: Path, hang_s: int) -> list[str]:
     return [sys.executable, "-m", "pytest", *targets, "-m", part.marks, "-v", "-p",
             "no:cacheprovider", "--tb=short", "-rfE", "--durations=15", "--durations-min=2",
-            "-o", f"faulthandler_timeout={hang_s}", f"--junitxml={out / f'.{tag}.xml'}"]
+            "-o", f"faulthandler_timeout={hang_s}", f"--junitxml={work / f'{tag}.xml'}"]
 
 
 def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
@@ -146,24 +148,31 @@ def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
     files = _collect(part, env)
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     groups = deal(files, workers if part.parallel else 1, seconds) if files else []
+    # Workers share the CPU: each gets its slice for intra-op threads and inductor's compile
+    # pool (each process would otherwise size both to the whole machine).
+    threads = str(max(1, (os.cpu_count() or 4) // max(1, len(groups))))
+    env.update(OMP_NUM_THREADS=threads, TORCHINDUCTOR_COMPILE_THREADS=threads)
+    work = Path(tempfile.mkdtemp(prefix=f"gpu_suite_{part.name}_"))  # per-worker files
     procs: list[tuple[str, subprocess.Popen, Path]] = []
     for i, group in enumerate(groups):
         tag = f"{part.name}_w{i}"
-        log = out / f".{tag}.log"
+        log = work / f"{tag}.log"
         f = open(log, "w")
         f.write(f"# worker {i}: {' '.join(group)}\n")
         f.flush()
-        procs.append((tag, subprocess.Popen(_pytest(part, group, tag, out, hang_s), cwd=ROOT,
-                                            env=env, stdout=f, stderr=subprocess.STDOUT), log))
+        procs.append((tag, subprocess.Popen(_pytest(part, group, tag, work, hang_s), cwd=ROOT,
+                                            env=env, stdout=f, stderr=subprocess.STDOUT,
+                                            start_new_session=True), log))
     codes = []
     for tag, proc, _ in procs:  # killed past kill_s, so that a hang still ends in a summary
         try:
             codes.append(proc.wait(timeout=max(1.0, kill_s - (time.monotonic() - t0))))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        except subprocess.TimeoutExpired:  # the whole session: torchrun ranks too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             codes.append("killed")
     secs = time.monotonic() - t0
-    cases = [c for tag, _, _ in procs for c in read_junit(out / f".{tag}.xml")]
+    cases = [c for tag, _, _ in procs for c in read_junit(work / f"{tag}.xml")]
     with open(out / f"gpu_suite_{part.name}.log", "w") as merged:
         for tag, _, log in procs:
             merged.write(log.read_text())

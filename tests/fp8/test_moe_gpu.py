@@ -33,6 +33,26 @@ def test_scaled_grouped_mm_probe_passes():
     assert resolve_backend(Fp8Config(), torch.device("cuda")) == "scaled_grouped_mm"
 
 
+def test_scaled_grouped_gemm_ops_pass_opcheck():
+    """The CUDA grouped GEMMs as custom ops: fake shapes/strides and schema match the kernel."""
+    from fp8boost.fp8.moe.gemm import scaled_mm, scaled_mm_wgrad
+    r = route(torch.tensor([0] * 5 + [2] * 20, device="cuda"), 3)
+    e4 = torch.float8_e4m3fn
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(e4)
+
+    def inv(*shape):
+        return torch.rand(*shape, device="cuda", generator=g) + 0.5
+
+    mm = (rnd(r.rows, 32), inv(r.rows), rnd(3, 48, 32), inv(3, 48), r.offsets, False)
+    wg = (rnd(48, r.rows), inv(3, 48), rnd(32, r.rows), inv(3, 32), r.offsets, False)
+    torch.library.opcheck(torch.ops.fp8boost.moe_scaled_mm.default, mm)
+    torch.library.opcheck(torch.ops.fp8boost.moe_scaled_mm_wgrad.default, wg)
+    assert scaled_mm(*mm).shape == (r.rows, 48) and scaled_mm_wgrad(*wg).shape == (3, 48, 32)
+
+
 @pytest.mark.parametrize("e,t,k,h,n", [(4, 200, 2, 256, 512), (16, 64, 4, 128, 96),
                                        (8, 512, 2, 512, 1024)])
 def test_cuda_grouped_linear_matches_emulated_forward_and_backward(e, t, k, h, n):

@@ -29,7 +29,9 @@ with fake implementations), opaque to ``torch.compile``. Traced inline they coul
 ``torch._grouped_mm``'s meta function takes BF16 only (the FP32 CPU kernel exists, its fake
 tensor check refuses it: an error under ``fullgraph``, else a graph break), and the padded
 ``bmm`` reads the largest group size on the host (``.item()``). Eager and compiled runs call
-the same kernels on the same bytes. ``torch._scaled_grouped_mm`` traces as it is.
+the same kernels on the same bytes. The CUDA GEMMs are custom ops too
+(``fp8boost::moe_scaled_mm`` and ``_wgrad``): the GEMM is the one opaque call of a compiled
+expert, as of a compiled linear layer.
 """
 from __future__ import annotations
 
@@ -135,21 +137,53 @@ def _(a, a_inv, b, b_inv, offsets, group, local, grouped):
 
 
 def scaled_mm(a, a_inv, b, b_inv, offsets, fast_accum: bool) -> torch.Tensor:
-    """``grouped_mm`` on ``torch._scaled_grouped_mm`` (BF16 out; rows past the groups unset)."""
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_inv, b_inv, offs=offsets,
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    """``grouped_mm`` on ``torch._scaled_grouped_mm`` (BF16 out; rows past the groups unset).
+
+    Runs as the custom op ``fp8boost::moe_scaled_mm``: under ``torch.compile`` the GEMM is
+    one opaque call on the bytes eager mode gives it (the casts around it stay torch ops for
+    inductor to fuse), not a traced ``_scaled_grouped_mm`` that inductor may lower to a kernel
+    of its own.
+    """
+    return _scaled_mm_op(a, a_inv, b, b_inv, offsets, fast_accum)
 
 
 def scaled_mm_wgrad(a, a_inv, b, b_inv, offsets, fast_accum: bool) -> torch.Tensor:
-    """``grouped_mm_wgrad`` on ``torch._scaled_grouped_mm`` (``[E, M, N]`` BF16).
+    """``grouped_mm_wgrad`` on ``torch._scaled_grouped_mm`` (``[E, M, N]`` BF16; the custom
+    op ``fp8boost::moe_scaled_mm_wgrad``, as :func:`scaled_mm`).
 
     An expert that got no rows has an empty reduction: its ``[M, N]`` block is set to zero
     here rather than trusting the kernel to write it."""
-    out = torch._scaled_grouped_mm(a, b.t(), a_inv.reshape(-1), b_inv.reshape(-1),
-                                   offs=offsets, out_dtype=torch.bfloat16,
-                                   use_fast_accum=fast_accum)
+    out = _scaled_wgrad_op(a, a_inv, b, b_inv, offsets, fast_accum)
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     return torch.where((sizes > 0).view(-1, 1, 1), out, out.new_zeros(()))
+
+
+@torch.library.custom_op("fp8boost::moe_scaled_mm", mutates_args=())
+def _scaled_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+                  offsets: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+    # contiguous: the layout the fake below declares (a no-op for the K-aligned shapes taken)
+    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_inv, b_inv, offs=offsets,
+                                    out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum).contiguous()
+
+
+@_scaled_mm_op.register_fake
+def _(a, a_inv, b, b_inv, offsets, fast_accum):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fp8boost::moe_scaled_mm_wgrad", mutates_args=())
+def _scaled_wgrad_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
+                     b_inv: torch.Tensor, offsets: torch.Tensor,
+                     fast_accum: bool) -> torch.Tensor:
+    return torch._scaled_grouped_mm(a, b.t(), a_inv.reshape(-1), b_inv.reshape(-1),
+                                    offs=offsets, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum).contiguous()
+
+
+@_scaled_wgrad_op.register_fake
+def _(a, a_inv, b, b_inv, offsets, fast_accum):
+    return a.new_empty(a_inv.shape[0], a.shape[0], b.shape[0], dtype=torch.bfloat16)
 
 
 def probe_problem(device: torch.device) -> Optional[str]:
