@@ -110,9 +110,9 @@ def _test_file(classname: str) -> str:
     """The test file of a JUnit ``classname`` (``tests.fp8.test_x`` or ``tests.fp8.test_x.Cls``)."""
     parts = classname.split(".")
     for i in range(len(parts), 0, -1):
-        path = "/".join(parts[:i]) + ".py"
-        if (ROOT / path).exists():
-            return path
+        for path in ("/".join(parts[:i]) + ".py", "tests/" + "/".join(parts[:i]) + ".py"):
+            if (ROOT / path).is_file():  # pytest may leave the rootdir package out of it
+                return path
     return classname
 
 

@@ -33,8 +33,8 @@ def test_scaled_grouped_mm_probe_passes():
     assert resolve_backend(Fp8Config(), torch.device("cuda")) == "scaled_grouped_mm"
 
 
-def test_scaled_grouped_gemm_ops_pass_opcheck():
-    """The CUDA grouped GEMMs as custom ops: fake shapes/strides and schema match the kernel."""
+def test_scaled_grouped_gemm_ops_fakes_match_the_kernel():
+    """The CUDA grouped GEMMs as custom ops: their fakes give the kernel's shapes and strides."""
     from fp8boost.fp8.moe.gemm import scaled_mm, scaled_mm_wgrad
     r = route(torch.tensor([0] * 5 + [2] * 20, device="cuda"), 3)
     e4 = torch.float8_e4m3fn
@@ -48,8 +48,16 @@ def test_scaled_grouped_gemm_ops_pass_opcheck():
 
     mm = (rnd(r.rows, 32), inv(r.rows), rnd(3, 48, 32), inv(3, 48), r.offsets, False)
     wg = (rnd(48, r.rows), inv(3, 48), rnd(32, r.rows), inv(3, 32), r.offsets, False)
-    torch.library.opcheck(torch.ops.fp8boost.moe_scaled_mm.default, mm)
-    torch.library.opcheck(torch.ops.fp8boost.moe_scaled_mm_wgrad.default, wg)
+    # Not torch.library.opcheck: its schema test multiplies the inputs, which FP8 tensors
+    # do not support on CUDA. The fake implementation against the kernel, by hand:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    for op, args in ((torch.ops.fp8boost.moe_scaled_mm.default, mm),
+                     (torch.ops.fp8boost.moe_scaled_mm_wgrad.default, wg)):
+        real = op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            fake = op(*[mode.from_tensor(a) if torch.is_tensor(a) else a for a in args])
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(),
+                                                             real.dtype), op
     assert scaled_mm(*mm).shape == (r.rows, 48) and scaled_mm_wgrad(*wg).shape == (3, 48, 32)
 
 
@@ -138,12 +146,20 @@ def _cuda_expert_inputs(step: int, t: int, e: int, k: int, h: int):
     return x, idx, w
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
-    """Compiled scaled_grouped_mm experts vs eager: casts in torch ops (inductor fuses them)
-    against eager's Triton casts (the same bytes by design), the same GEMM (aot_eager) or
-    inductor's lowering of it (another accumulation order, BF16 out): rel 1e-2 as above."""
+    """Compiled scaled_grouped_mm experts vs eager, forward and every gradient.
+
+    Compiled, the casts are torch ops (inductor fuses them) where eager runs the Triton casts:
+    the same bytes by design (test_moe_cast_kernels). The GEMMs are the same custom ops. So
+    dynamo alone (``eager``), ``aot_eager`` and inductor with ``emulate_precision_casts`` (it
+    rounds BF16 intermediates where eager does) must give eager's results; 1e-3 leaves room
+    for nothing but a reordered reduction. Plain inductor keeps the BF16 activation's
+    intermediates in FP32, which moves some values across an FP8 rounding boundary (one e4m3
+    step is 6-12%): measured on CPU 1.3% on y and 2.6% on dx, hence 5e-2 there.
+    """
     from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._inductor import config as inductor_config
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     e, k, h = 16, 4, 512
@@ -159,9 +175,23 @@ def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
     # nothing resolved inside the compiled forward.
     assert fp8.options(torch.device("cuda")).backend == "scaled_grouped_mm"
     ref = copy.deepcopy(fp8)
-    torch._dynamo.reset()
-    cnt = CompileCounterWithBackend(backend)
-    compiled = torch.compile(fp8, backend=cnt, fullgraph=True)  # a graph break raises
+    variants = [(backend, 1e-3, True)] + ([(backend, 5e-2, False)] if backend == "inductor"
+                                          else [])
+    for name, tol, emulate in variants:
+        torch._dynamo.reset()
+        cnt = CompileCounterWithBackend(name)
+        with inductor_config.patch(emulate_precision_casts=emulate):
+            compiled = torch.compile(fp8, backend=cnt, fullgraph=True)  # a break raises
+            errors = _compiled_vs_eager(compiled, fp8, ref, cnt, e, k, h)
+        worst = {q: max(errs[q] for errs in errors) for q in errors[0]}
+        # Every quantity of every step in the message: which gradient is off tells where.
+        assert max(worst.values()) < tol, (name, f"emulate={emulate}", errors)
+
+
+def _compiled_vs_eager(compiled, fp8, ref, cnt, e, k, h) -> list[dict[str, float]]:
+    """Relative errors of y, dx and each weight gradient per step (new routings, then new
+    token counts); checks one graph per token count and finite results."""
+    errors = []
     for step, t in enumerate((1024, 1024, 1024, 600, 1400)):
         x, idx, w = _cuda_expert_inputs(step, t, e, k, h)
         xs = [x.clone().requires_grad_() for _ in range(2)]
@@ -172,14 +202,15 @@ def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
         pairs = [("y", *ys), ("dx", xs[0].grad, xs[1].grad)]
         pairs += [(n, p.grad, q.grad) for (n, p), q in zip(fp8.named_parameters(),
                                                            ref.parameters())]
-        for name, got, want in pairs:
-            assert torch.isfinite(got).all(), (step, name)
-            assert rel(got, want) < 1e-2, (step, name, rel(got, want))
+        for name, got, _ in pairs:
+            assert got is not None and torch.isfinite(got).all(), (step, name)
+        errors.append({name: round(rel(got, want), 6) for name, got, want in pairs})
         for p in (*fp8.parameters(), *ref.parameters()):
             p.grad = None
         # Three routings at one token count: one graph; a new count: one recompile (automatic
         # dynamic), then the dynamic graph serves every count.
         assert cnt.frame_count == (1 if step < 3 else 2), (step, cnt.frame_count)
+    return errors
 
 
 def test_compile_blocks_of_an_fp8_moe_model_on_cuda_keep_one_graph():
