@@ -13,7 +13,8 @@ The one-GPU part (``-m "gpu and not multigpu"``, on the first GPU) runs its test
 ``--workers`` pytest processes side by side on that GPU: most of its time is compilation on the
 CPU (inductor, Triton), which one process leaves mostly idle. Files are dealt to the workers
 longest first by their last measured time (:data:`DURATIONS`). The multi-GPU part
-(``-m multigpu``) is one pytest process over every GPU (its tests start their own ranks).
+(``-m multigpu``) sees every GPU; its files run side by side too (up to 3 processes: each test
+starts its own ranks, with a free port or a rendezvous file, so they do not collide).
 Every process runs under ``FP8BOOST_GPU_SUITE=1``, which turns a skipped GPU test into a
 failure (tests/conftest.py): nothing passes by not running. A test still running after
 ``--hang-s`` seconds dumps every thread's stack into the log (pytest's faulthandler).
@@ -50,13 +51,15 @@ class Part:
     """One part of the suite: which tests, on how many GPUs, in how long."""
 
     def __init__(self, name: str, marks: str, budget_s: int, min_gpus: int, max_gpus: int,
-                 parallel: bool):
+                 max_workers: int):
         self.name, self.marks, self.budget_s = name, marks, budget_s
-        self.min_gpus, self.max_gpus, self.parallel = min_gpus, max_gpus, parallel
+        self.min_gpus, self.max_gpus, self.max_workers = min_gpus, max_gpus, max_workers
 
 
-PARTS = {"one": Part("one", "gpu and not multigpu", 360, 1, 1, parallel=True),
-         "multi": Part("multi", "multigpu", 300, 2, 4, parallel=False)}
+# The multi-GPU tests start their own ranks on every GPU (torchrun --standalone picks a free
+# port, tests/dist_utils.py rendezvous through a file), so their files can run side by side.
+PARTS = {"one": Part("one", "gpu and not multigpu", 360, 1, 1, max_workers=4),
+         "multi": Part("multi", "multigpu", 300, 2, 4, max_workers=3)}
 # NVLink multicast stays off on the lent machines (a program using it can take a shared host's
 # GPUs down); children (torchrun, subprocess tests) inherit these.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -147,7 +150,7 @@ def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
     t0 = time.monotonic()
     files = _collect(part, env)
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    groups = deal(files, workers if part.parallel else 1, seconds) if files else []
+    groups = deal(files, min(workers, part.max_workers), seconds) if files else []
     # Workers share the CPU: each gets its slice for intra-op threads and inductor's compile
     # pool (each process would otherwise size both to the whole machine).
     threads = str(max(1, (os.cpu_count() or 4) // max(1, len(groups))))
@@ -202,7 +205,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/fp8boost_gpu_suite",
                    help="folder for the logs and JSON summaries (default: $OUT)")
     p.add_argument("--workers", type=int, default=max(1, min(4, (os.cpu_count() or 4) // 4)),
-                   help="pytest processes sharing the GPU in the one-GPU part")
+                   help="pytest processes side by side (the one-GPU part takes up to 4, the "
+                   "multi-GPU part up to 3)")
     p.add_argument("--hang-s", type=int, default=180,
                    help="dump every thread's stack of a test running longer than this")
     p.add_argument("--kill-s", type=int, default=540,
