@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Correctness checks on the device machine (one GPU or 2xH200): the GPU and multi-GPU tests,
+# Correctness checks on the device machine (one GPU or 2xH200): the GPU suite (tests/gpu_suite.py),
 # then examples/train_llama.py under torchrun with FP8 + activation checkpointing + --compile on
 # several plugins (NCCL), counting dynamo recompile messages (there must be none).
 #   TAG=h200x2_session4 bash bench/run_gpu_checks.sh [tests|examples|all]
-# Writes $OUT/gpu_tests_$TAG.log and $OUT/examples_$TAG.log; prints a short table last.
+# Writes $OUT/gpu_suite_<part>.{log,json} and $OUT/examples_$TAG.log; prints a short table last.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-bench/results}
@@ -12,12 +12,9 @@ what=${1:-all}
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-if [ "$what" != examples ]; then
-  sel="tests/fp8 tests/test_compile.py"
-  [ "$NGPU" -ge 2 ] && sel="$sel tests/parallel/test_nccl.py tests/examples/test_faults.py"
-  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=short \
-    -m "gpu or multigpu" $sel 2>&1 | grep -v DEBUG > "$OUT/gpu_tests_$TAG.log"
-  echo "[tests] rc=$? $(tail -1 "$OUT/gpu_tests_$TAG.log")"
+if [ "$what" != examples ]; then  # the GPU suite (CONTRIBUTING.md): every gpu/multigpu test
+  part=one; [ "$NGPU" -ge 2 ] && part=all
+  python3 tests/gpu_suite.py "$part" --out "$OUT"
 fi
 [ "$what" = tests ] && exit 0
 LOG="$OUT/examples_$TAG.log"; : > "$LOG"

@@ -36,7 +36,8 @@ def launch(rank: int, world_size: int, host: str, port: int, backend: str = "ncc
         host: the address of rank 0's rendezvous store.
         port: its port.
         backend: ``"nccl"`` (falls back to gloo without CUDA) or ``"gloo"``.
-        local_rank: the GPU index on this node (default: ``LOCAL_RANK`` if set, else 0).
+        local_rank: the GPU index on this node (default: ``LOCAL_RANK`` if set, else
+            ``rank % torch.cuda.device_count()`` as Colossal-AI picks it, 0 without CUDA).
         seed: the seed of ``random``, NumPy and torch.
         verbose: log one INFO line on rank 0 when the group is formed.
         config: Colossal-AI's old config argument: ignored (an INFO line says so).
@@ -47,10 +48,28 @@ def launch(rank: int, world_size: int, host: str, port: int, backend: str = "ncc
     """
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=str(host),
                       MASTER_PORT=str(port))
-    if local_rank is not None:
-        os.environ["LOCAL_RANK"] = str(local_rank)
-    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ["LOCAL_RANK"] = str(default_local_rank(rank, local_rank))
     _init_and_seed(backend, seed, verbose, config)
+
+
+def default_local_rank(rank: int, local_rank: Optional[int] = None) -> int:
+    """The GPU index :func:`launch` gives this process: ``local_rank`` if given, else
+    ``LOCAL_RANK`` if set, else ``rank % torch.cuda.device_count()`` (Colossal-AI's choice for
+    processes started without a launcher; every rank on GPU 0 was this module's old default),
+    else 0 (no CUDA).
+
+    Example:
+        >>> default_local_rank(5, local_rank=1)
+        1
+    """
+    if local_rank is not None:
+        return int(local_rank)
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return rank % count if count else 0
 
 
 def launch_from_torch(backend: str = "nccl", seed: int = 1024, verbose: bool = True,

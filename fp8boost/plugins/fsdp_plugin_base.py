@@ -21,7 +21,7 @@ from .distributed import broadcast_module
 from .granular_comm import block_gathered, is_granular, report_granular_gather
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
-from .wrappers import DTYPES, cast_params_
+from .wrappers import DTYPES, cast_buffers_, cast_params_
 
 logger = logging.getLogger("fp8boost.plugins")
 
@@ -70,8 +70,12 @@ class FsdpPluginBase(Plugin):
         if not self._lazy:
             model.to(device)
             broadcast_module(model, self.dp_group)
-        # Buffers keep their dtype: rotary tables, FP8 histories.
         cast_params_(model, torch.float32)
+        # FSDP2 casts the parameters to the compute dtype for each forward, never the buffers:
+        # they go there now (a BatchNorm's statistics must match its input; rotary tables and
+        # FP8 scaling state stay FP32, see cast_buffers_).
+        if self.precision != "fp32":
+            cast_buffers_(model, DTYPES[self.precision])
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         from fp8boost.parallel.fsdp import wiring

@@ -39,14 +39,40 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def cast_params_(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating-point parameters in place, keeping the Parameter objects.
-
-    Buffers keep their dtype on purpose: rotary tables and FP8 scaling histories must stay FP32.
-    """
+    """Cast floating-point parameters in place, keeping the Parameter objects (see
+    :func:`cast_buffers_` for the buffers)."""
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+
+
+# Buffers that stay FP32 whatever the training dtype: HF's rotary frequency tables (the angles
+# are computed from them in FP32; a BF16 table would move every position's angle).
+FP32_BUFFER_NAMES = frozenset({"inv_freq", "original_inv_freq"})
+_CASTABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def cast_buffers_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point buffers to ``dtype`` (the dtype the forward computes in), as
+    Colossal-AI's module cast does: a BatchNorm's running statistics must match its input.
+
+    Kept as they are: :data:`FP32_BUFFER_NAMES` (rotary tables), every buffer of an fp8boost
+    module (FP8 scaling state stays FP32) and FP8/integer/bool buffers.
+
+    Example:
+        >>> bn = nn.BatchNorm1d(4)
+        >>> cast_buffers_(bn, torch.bfloat16)
+        >>> bn.running_mean.dtype, bn.num_batches_tracked.dtype
+        (torch.bfloat16, torch.int64)
+    """
+    for module in model.modules():
+        if type(module).__module__.startswith("fp8boost."):
+            continue
+        for name, buf in module._buffers.items():
+            if (buf is not None and buf.dtype in _CASTABLE and buf.dtype != dtype
+                    and name not in FP32_BUFFER_NAMES):
+                module._buffers[name] = buf.to(dtype)
 
 
 class ModelWrapper(nn.Module):

@@ -62,3 +62,25 @@ def test_colossal_defaults_where_the_meaning_differs():
     assert colossal_plugins.LowLevelZeroPlugin(stage=2).stage == 2
     sig = inspect.signature(colossal_plugins.LowLevelZeroPlugin).parameters
     assert sig["stage"].default == 1 and sig["precision"].default == "bf16"
+
+
+def test_save_model_defaults_to_one_file_as_colossal_ai(tmp_path):
+    """Colossal-AI's ``save_model(model, "model.pt")`` (``shard=False`` by default) writes that
+    one file; fp8boost's own Booster keeps sharding into a folder by default (issue 37)."""
+    import torch
+
+    assert inspect.signature(Booster.save_model).parameters["shard"].default is False
+    assert inspect.signature(NativeBooster.save_model).parameters["shard"].default is True
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    colossal = Booster(device="cpu")  # Colossal-AI's positional order starts with device
+    boosted, *_ = colossal.boost(model)
+    colossal.save_model(boosted, str(tmp_path / "model.pt"))
+    assert (tmp_path / "model.pt").is_file()
+    NativeBooster(device="cpu").save_model(boosted, str(tmp_path / "native.pt"))
+    assert (tmp_path / "native.pt").is_dir()
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    again, *_ = Booster(device="cpu").boost(fresh)
+    colossal.load_model(again, str(tmp_path / "model.pt"))
+    for a, b in zip(boosted.parameters(), again.parameters()):
+        assert torch.equal(a, b)

@@ -86,6 +86,23 @@ def test_launch_takes_explicit_rendezvous_and_old_positional_config(group, capsy
     assert "config argument of older Colossal-AI versions is ignored" in capsys.readouterr().err
 
 
+def test_launch_without_local_rank_spreads_ranks_over_gpus(monkeypatch):
+    """launch(rank, ...) from processes no launcher started (no LOCAL_RANK): rank % the GPU
+    count, as Colossal-AI picks; every rank landed on GPU 0 before (issue 37)."""
+    from fp8boost.colossal.initialize import default_local_rank
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [default_local_rank(r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert default_local_rank(5, local_rank=2) == 2  # given: kept
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert default_local_rank(1) == 3  # a launcher's LOCAL_RANK wins
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_local_rank(3) == 0  # CPU: no GPU to pick
+
+
 def test_accelerator_choice():
     from fp8boost.colossal.accelerator import (CpuAccelerator, get_accelerator,
                                                set_accelerator)

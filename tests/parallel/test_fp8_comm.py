@@ -176,6 +176,25 @@ def _check_all_to_all(rank, ws, fc, cfg):
     assert (even_out.double() - ref).abs().max() > 0
     with pytest.raises(ValueError, match="split"):
         fc.all_to_all_fp8(even_out, even_in, [1] * ws, None, config=cfg)
+    # No split sizes and dim 0 that does not divide (Colossal-AI's (1, 8, 16) on 4 ranks): the
+    # flat even split of dist.all_to_all_single, bytes as it moves them (plain all-to-all as
+    # the reference), into a non-contiguous output too, sync and async.
+    odd = make(rank, (1, 2 * ws, 4), torch.bfloat16, seed=8)
+    ref = torch.empty_like(odd)
+    dist.all_to_all_single(ref, odd)
+    for async_op in (False, True):
+        for out in (torch.empty_like(odd), torch.empty(4, 2 * ws, 1, dtype=odd.dtype)
+                    .transpose(0, 2)):
+            work = fc.all_to_all_fp8(out, odd, config=cfg, async_op=async_op)
+            if async_op:
+                work.wait()
+            mine = ref.view(ws, -1)[rank]  # the part a rank keeps travels in full precision
+            assert torch.equal(out.reshape(ws, -1)[rank], mine)
+            check((out.double() - ref.double()).abs(),
+                  qbound(ref.double(), E4M3) + OUT_U[torch.bfloat16] * ref.double().abs(),
+                  f"all_to_all flat async={async_op}")
+    with pytest.raises(ValueError, match="numel"):
+        fc.all_to_all_fp8(torch.empty(1, 3), torch.empty(1, 3), config=cfg)
 
 
 def _check_p2p(rank, ws, fc, cfg):

@@ -39,8 +39,10 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
                    config: Optional[Fp8CommConfig] = None) -> Optional[Fp8Work]:
     """All-to-all with FP8 on the wire, same contract as ``dist.all_to_all_single``.
 
-    Dim 0 of ``input`` is split by ``input_split_sizes`` (even when None); chunk j goes to rank
-    j, cast with its own scale. The chunk a rank keeps is copied locally in full precision.
+    Dim 0 of ``input`` is split by ``input_split_sizes``; chunk j goes to rank j, cast with its
+    own scale. With no split sizes the split is even over the flattened elements, as
+    ``dist.all_to_all_single``'s (``numel / world`` each: dim 0's even split where dim 0
+    divides, and e.g. a ``(1, 8, 16)`` tensor on 4 ranks otherwise). The chunk a rank keeps is copied locally in full precision.
     ``config.min_payload_numel`` is not applied (payloads differ between ranks, so a per-rank choice
     could deadlock): all-to-all always uses FP8 when enabled.
 
@@ -57,6 +59,8 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
     if math.prod(output.shape[1:]) != row:
         raise ValueError(f"input and output rows differ: {tuple(input.shape[1:])} vs "
                          f"{tuple(output.shape[1:])} elements per dim-0 slice")
+    if input_split_sizes is None and output_split_sizes is None and input.shape[0] % ws:
+        return _flat_even(output, input, ws, group, fp8_dtype, async_op, config)
     ins = _splits(input_split_sizes, input.shape[0], ws, "input_split_sizes")
     outs = _splits(output_split_sizes, output.shape[0], ws, "output_split_sizes")
     if ins[rank] != outs[rank]:
@@ -103,3 +107,20 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
         commit()
 
     return complete(work, waiting(work, finish), async_op, output, keep=(send, recv, x))
+
+
+def _flat_even(output, input, ws, group, fp8_dtype, async_op, config) -> Optional[Fp8Work]:
+    """The even split of ``dist.all_to_all_single`` when dim 0 does not divide: each rank
+    gets ``numel / world`` consecutive elements of the flattened tensor."""
+    if input.numel() % ws or output.numel() != input.numel():
+        raise ValueError(f"all_to_all_fp8 without split sizes splits the {input.numel()} "
+                         f"elements evenly over {ws} ranks (as dist.all_to_all_single): pass "
+                         f"tensors of equal numel divisible by {ws}, or explicit split sizes "
+                         f"(got input {tuple(input.shape)}, output {tuple(output.shape)})")
+    flat, commit = staging(output, (ws, output.numel() // ws))
+    work = all_to_all_fp8(flat, input.reshape(ws, -1), group=group, fp8_dtype=fp8_dtype,
+                          async_op=async_op, config=config)
+    if work is None:
+        commit()
+        return None
+    return complete(work, waiting(work, commit), True, output)
