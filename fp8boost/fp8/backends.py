@@ -19,6 +19,7 @@ from fp8boost import _state
 from fp8boost._state import probe, warn_once  # noqa: F401 - warn_once is re-exported
 
 from .backend_base import Fp8Backend
+from .scaling import cast_result
 
 class EmulatedBackend(Fp8Backend):
     """Exact FP8 rounding, FP32 matmul of the dequantized operands. Runs anywhere."""
@@ -30,7 +31,7 @@ class EmulatedBackend(Fp8Backend):
         out = (a.float() * a_inv_scale) @ (b.float() * b_inv_scale).t()
         if bias is not None:
             out = out + bias.float()
-        return out.to(out_dtype)
+        return cast_result(out, out_dtype)  # FP32 layers: no no-op .to (see cast_result)
 
 
 def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .prequantized import (Fp8WeightTensor, PrequantizedWeight, dequantize_weight,
                            fp8_input_operand, fp8_operand_mismatch, fp8_weight_operand,
                            fp8_weight_transpose, transpose_fp8)
-from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
+from .scaling import DelayedScalingState, Fp8Tensor, amax, cast_result, scale_from_amax
 
 _ROLES = ("input", "weight", "grad")
 
@@ -139,7 +139,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             dw = backend.mm(dyq.data_t, xq_t, dyq.inv_scale, x_inv, out_dtype=ctx.w_dtype,
                             use_fast_accum=cfg.fast_accum_wgrad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.float().sum(0).to(ctx.b_dtype)
+            db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
         return dx, dw, db, None
 
 

@@ -184,3 +184,14 @@ class DelayedScalingState:
         out = Fp8Tensor(cast_to_fp8(x, scale, self.dtype), scale.reciprocal())
         self.record(a)
         return out
+
+
+def cast_result(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without a no-op ``.to``. A GEMM result is what an autograd.Function
+    returns (y, dx, dW), and torch 2.11's dynamo lost every gradient of a Function whose output
+    came from a no-op ``.to()`` (an alias of an intermediate; pytorch/pytorch#180642): zero
+    gradients for FP32 layers and a 4-layer BF16 Llama that stopped learning, compiled, on the
+    H100; every gradient of the compiled FP8 experts (BF16 GEMM output into a BF16 model);
+    torch 2.13 is right. Every FP8 GEMM result (dense, granular, experts, emulated) goes
+    through here. Tested in tests/fp8/test_granular_linear.py and test_moe_compile.py."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -24,6 +24,7 @@ import torch
 
 from fp8boost._state import log_once, probe, warn_once
 
+from ..scaling import cast_result  # noqa: F401 - re-exported (granular.function)
 from .quantize import GranularFp8
 
 _LOG = logging.getLogger(__name__)
@@ -40,15 +41,6 @@ def _pad2(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Te
     out = torch.full((rows, cols), value, dtype=t.dtype, device=t.device)
     out[: t.shape[0], : t.shape[1]] = t
     return out
-
-
-def cast_result(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, without a no-op ``.to``. A GEMM result is what an autograd.Function
-    returns (y, dx, dW), and torch 2.11's dynamo lost every gradient of a Function whose output
-    came from a no-op ``.to()`` (an alias of an intermediate): zero gradients for FP32 layers
-    and a 4-layer BF16 Llama that stopped learning, compiled, on the H100; torch 2.13 is right.
-    Tested in tests/fp8/test_granular_linear.py."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _round_up(n: int, m: int) -> int:

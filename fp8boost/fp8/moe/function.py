@@ -24,6 +24,7 @@ import torch
 from .gemm import emulated_mm, emulated_mm_wgrad, scaled_mm, scaled_mm_wgrad
 from .quantize import (ScaleOptions, quantize_experts, quantize_groups_t, quantize_tokens,
                        quantize_tokens_and_groups_t)
+from ..scaling import cast_result
 from .routing import Routing
 
 
@@ -52,7 +53,7 @@ def _mm(a, a_inv, b, b_inv, r: Routing, opts: GroupedOptions, fast: bool, dtype)
     else:
         out = emulated_mm(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
     # Rows of no expert: zero (the kernel leaves the tail unwritten).
-    return torch.where((r.group < r.num_experts).unsqueeze(1), out, 0).to(dtype)
+    return cast_result(torch.where((r.group < r.num_experts).unsqueeze(1), out, 0), dtype)
 
 
 def _mm_wgrad(a, a_inv, b, b_inv, r: Routing, opts: GroupedOptions, dtype):
@@ -60,7 +61,7 @@ def _mm_wgrad(a, a_inv, b, b_inv, r: Routing, opts: GroupedOptions, dtype):
         out = scaled_mm_wgrad(a, a_inv, b, b_inv, r.offsets, opts.fast_accum_wgrad)
     else:
         out = emulated_mm_wgrad(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
-    return out.to(dtype)
+    return cast_result(out, dtype)
 
 
 class GroupedFp8Linear(torch.autograd.Function):
