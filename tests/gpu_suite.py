@@ -138,6 +138,19 @@ def _pytest(part: Part, targets: list[str], tag: str, work: Path, hang_s: int) -
             "-o", f"faulthandler_timeout={hang_s}", f"--junitxml={work / f'{tag}.xml'}"]
 
 
+def _start_worker(part: Part, i: int, files: list[str], work: Path, env: dict,
+                  hang_s: int) -> tuple[str, subprocess.Popen, Path]:
+    """One pytest process over ``files``, in its own session (so it can be ended whole)."""
+    tag = f"{part.name}_w{i}"
+    log = work / f"{tag}.log"
+    with open(log, "w") as f:
+        f.write(f"# worker {i}: {' '.join(files)}\n")
+        f.flush()
+        proc = subprocess.Popen(_pytest(part, files, tag, work, hang_s), cwd=ROOT, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return tag, proc, log
+
+
 def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
              kill_s: int) -> tuple[bool, str]:
     """Run one part; returns (ok, its summary line)."""
@@ -156,16 +169,7 @@ def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
     threads = str(max(1, (os.cpu_count() or 4) // max(1, len(groups))))
     env.update(OMP_NUM_THREADS=threads, TORCHINDUCTOR_COMPILE_THREADS=threads)
     work = Path(tempfile.mkdtemp(prefix=f"gpu_suite_{part.name}_"))  # per-worker files
-    procs: list[tuple[str, subprocess.Popen, Path]] = []
-    for i, group in enumerate(groups):
-        tag = f"{part.name}_w{i}"
-        log = work / f"{tag}.log"
-        f = open(log, "w")
-        f.write(f"# worker {i}: {' '.join(group)}\n")
-        f.flush()
-        procs.append((tag, subprocess.Popen(_pytest(part, group, tag, work, hang_s), cwd=ROOT,
-                                            env=env, stdout=f, stderr=subprocess.STDOUT,
-                                            start_new_session=True), log))
+    procs = [_start_worker(part, i, group, work, env, hang_s) for i, group in enumerate(groups)]
     codes = []
     for tag, proc, _ in procs:  # killed past kill_s, so that a hang still ends in a summary
         try:
