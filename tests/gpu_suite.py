@@ -185,11 +185,10 @@ def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
             merged.write(log.read_text())
     n = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error",
                                                             "skipped")}
-    ok = (all(c == 0 for c in codes) and n["failed"] == n["error"] == n["skipped"] == 0
-          and n["passed"] > 0 and secs <= part.budget_s)
-    why = ("OK" if ok else "OVER BUDGET" if all(c == 0 for c in codes) and n["passed"]
-           and secs <= kill_s and not (n["failed"] or n["error"] or n["skipped"])
-           else f"FAILED (exit codes {codes})")
+    clean = (all(c == 0 for c in codes) and n["failed"] == n["error"] == n["skipped"] == 0
+             and n["passed"] > 0)
+    ok = clean and secs <= part.budget_s
+    why = "OK" if ok else "OVER BUDGET" if clean else f"FAILED (exit codes {codes})"
     per_file: dict[str, float] = {}
     for c in cases:
         per_file[c["file"]] = round(per_file.get(c["file"], 0.0) + c["seconds"], 1)

@@ -206,24 +206,21 @@ def test_emulated_grouped_gemm_ops_pass_opcheck():
 # ------------------------------------------------------------------ CUDA's code path, on CPU
 # The scaled_grouped_mm backend's code (BF16 GEMM outputs from the custom ops
 # fp8boost::moe_scaled_mm / _wgrad, masked and cast in function.py) compiled on CPU: the two
-# custom ops are swapped for CPU stand-ins computing the same contract (FP32 accumulation of the
-# dequantized operands, BF16 out), so everything but the kernel itself runs as on a GPU.
-@torch.library.custom_op("fp8boost_test::scaled_mm_cpu", mutates_args=())
-def _scaled_mm_cpu(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
-                   offsets: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+# ops get CPU kernels computing the same contract (FP32 accumulation of the dequantized
+# operands, BF16 out), so everything but the CUDA kernel itself runs as on a GPU, the ops' own
+# fake implementations included. (Registered for the whole test process: on CPU the real
+# kernel, torch._scaled_grouped_mm, cannot run anyway.)
+from fp8boost.fp8.moe import gemm as _gemm  # noqa: E402
+
+
+@_gemm._scaled_mm_op.register_kernel("cpu")
+def _scaled_mm_cpu(a, a_inv, b, b_inv, offsets, fast_accum):
     da, db = a.float() * a_inv.view(-1, 1), b.float() * b_inv.unsqueeze(-1)
     return torch._grouped_mm(da, db.transpose(-2, -1), offs=offsets).bfloat16()
 
 
-@_scaled_mm_cpu.register_fake
-def _(a, a_inv, b, b_inv, offsets, fast_accum):
-    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("fp8boost_test::scaled_wgrad_cpu", mutates_args=())
-def _scaled_wgrad_cpu(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
-                      b_inv: torch.Tensor, offsets: torch.Tensor,
-                      fast_accum: bool) -> torch.Tensor:
+@_gemm._scaled_wgrad_op.register_kernel("cpu")
+def _scaled_wgrad_cpu(a, a_inv, b, b_inv, offsets, fast_accum):
     e, rows = a_inv.shape[0], a.shape[1]
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     group = torch.repeat_interleave(torch.arange(e), sizes)
@@ -235,19 +232,13 @@ def _scaled_wgrad_cpu(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
     return torch._grouped_mm(deq(a, a_inv), deq(b, b_inv).t(), offs=offsets).bfloat16()
 
 
-@_scaled_wgrad_cpu.register_fake
-def _(a, a_inv, b, b_inv, offsets, fast_accum):
-    return a.new_empty(a_inv.shape[0], a.shape[0], b.shape[0], dtype=torch.bfloat16)
-
-
 # torch 2.11's emulate_precision_casts leaves this graph's BF16 intermediates in FP32 (the
 # 1.3% of plain inductor remains; measured with torch 2.11 on CPU); 2.13 rounds them as eager.
 _EMULATES_PRECISION_CASTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 @pytest.mark.parametrize("backend,emulate", [("aot_eager", False), ("inductor", True)])
-def test_scaled_grouped_mm_code_path_compiles_to_eager_bits(dynamo, monkeypatch, backend,
-                                                            emulate):
+def test_scaled_grouped_mm_code_path_compiles_to_eager_bits(dynamo, backend, emulate):
     """BF16 experts on the GPU backend's code path: ``aot_eager`` and inductor with
     ``emulate_precision_casts`` (BF16 intermediates rounded where eager rounds them) give
     eager's bits for y, dx and both weight gradients. Plain inductor does not, by design: it
@@ -262,10 +253,6 @@ def test_scaled_grouped_mm_code_path_compiles_to_eager_bits(dynamo, monkeypatch,
 
     from torch._inductor import config as inductor_config
 
-    from fp8boost.fp8.moe import gemm
-
-    monkeypatch.setattr(gemm, "_scaled_mm_op", _scaled_mm_cpu)
-    monkeypatch.setattr(gemm, "_scaled_wgrad_op", _scaled_wgrad_cpu)
     experts = fp8_experts(_fp8_model("qwen3_moe"))[0].bfloat16()
     device, opts = experts._grouped_options
     experts._grouped_options = (device, dataclasses.replace(opts, backend="scaled_grouped_mm"))

@@ -163,6 +163,8 @@ def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
     from torch._inductor import config as inductor_config
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+    from tests.fp8.test_moe_compile import _EMULATES_PRECISION_CASTS
+
     e, k, h = 16, 4, 512
     cfg = transformers.Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=256, num_experts=e,
                                       num_experts_per_tok=k)
@@ -189,9 +191,6 @@ def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
         worst = {q: max(errs[q] for errs in errors) for q in errors[0]}
         # Every quantity of every step in the message: which gradient is off tells where.
         assert max(worst.values()) < tol, (name, f"emulate={emulate}", errors)
-
-
-_EMULATES_PRECISION_CASTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def _compiled_vs_eager(compiled, fp8, ref, cnt, e, k, h) -> list[dict[str, float]]:

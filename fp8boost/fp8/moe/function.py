@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..scaling import cast_result
 from .gemm import emulated_mm, emulated_mm_wgrad, scaled_mm, scaled_mm_wgrad
 from .quantize import (ScaleOptions, quantize_experts, quantize_groups_t, quantize_tokens,
                        quantize_tokens_and_groups_t)
-from ..scaling import cast_result
 from .routing import Routing
 
 

@@ -42,7 +42,8 @@ def all_to_all_fp8(output: torch.Tensor, input: torch.Tensor,
     Dim 0 of ``input`` is split by ``input_split_sizes``; chunk j goes to rank j, cast with its
     own scale. With no split sizes the split is even over the flattened elements, as
     ``dist.all_to_all_single``'s (``numel / world`` each: dim 0's even split where dim 0
-    divides, and e.g. a ``(1, 8, 16)`` tensor on 4 ranks otherwise). The chunk a rank keeps is copied locally in full precision.
+    divides, and e.g. a ``(1, 8, 16)`` tensor on 4 ranks otherwise). The chunk a rank keeps
+    is copied locally in full precision.
     ``config.min_payload_numel`` is not applied (payloads differ between ranks, so a per-rank choice
     could deadlock): all-to-all always uses FP8 when enabled.
 
