@@ -220,7 +220,15 @@ def _compiled_vs_eager(compiled, fp8, ref, cnt, e, k, h) -> list[dict[str, float
 
 def test_compile_blocks_of_an_fp8_moe_model_on_cuda_keep_one_graph():
     """compile_blocks (inductor) on a tiny Mixtral with FP8 experts and linears on the GPU: no
-    graph break, one graph for both blocks over steps with new routings, eager's loss."""
+    graph break, one graph for both blocks over steps with new routings, eager's loss, and
+    gradients as accurate as eager FP8's.
+
+    Gradients are judged against an FP32 copy of the model, not against eager FP8: inductor
+    fuses the casts' amax and scale math in FP32, so a few operands round to the neighbouring
+    FP8 (E5M2 for gradients: 2 mantissa bits) and the two FP8 runs differ by one FP8 rounding
+    per GEMM, which piles up in the embedding gradient (7% between them on an H200). What must
+    hold is that compiling costs no accuracy: compiled-vs-FP32 errors over eager-vs-FP32 ones
+    below 1.1 on average (below 1.6 for each gradient)."""
     from torch._dynamo.utils import counters
 
     from fp8boost.compile import compile_blocks
@@ -234,23 +242,36 @@ def test_compile_blocks_of_an_fp8_moe_model_on_cuda_keep_one_graph():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.MixtralForCausalLM(cfg).cuda().bfloat16()
+    hp = copy.deepcopy(model).float()
+    hp.config.use_cache = False
     convert_to_fp8(model, Fp8Config(backend="auto", min_numel=0))
     ref = copy.deepcopy(model)
     ref.config.use_cache = False
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(model, backend="inductor", fullgraph=True)
+    ratios = {}
     for step in range(3):
         ids = torch.randint(0, 128, (4, 64), device="cuda",
                             generator=torch.Generator(device="cuda").manual_seed(step))
-        losses = [m(input_ids=ids, labels=ids).loss for m in (model, ref)]
+        losses = [m(input_ids=ids, labels=ids).loss for m in (model, ref, hp)]
         for loss in losses:
             loss.backward()
         assert abs(losses[0].item() - losses[1].item()) < 1e-2 * abs(losses[1].item())
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            if q.grad is not None:
-                assert rel(p.grad, q.grad) < 5e-2, (step, name, rel(p.grad, q.grad))
-        model.zero_grad()
-        ref.zero_grad()
+        for (name, p), q, h in zip(model.named_parameters(), ref.parameters(), hp.parameters()):
+            if q.grad is None:
+                continue
+            assert p.grad is not None and p.grad.abs().sum() > 0, (step, name)
+            compiled, eager = rel(p.grad, h.grad), rel(q.grad, h.grad)
+            ratios[name, step] = (compiled + 1e-3) / (eager + 1e-3)
+            print(f"{name:40s} step {step}: compiled {compiled:.4f}  eager {eager:.4f}")
+        for m in (model, ref, hp):
+            m.zero_grad()
+    # Each ratio is one draw of FP8 rounding noise (a 512-element router gradient moved 1.27x
+    # on an H200); a compile that loses accuracy moves them all, so the mean is bounded tight
+    # and each one loose.
+    mean = sum(ratios.values()) / len(ratios)
+    worst = max(ratios.items(), key=lambda x: x[1])
+    assert mean < 1.1 and worst[1] < 1.6, (mean, worst)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
