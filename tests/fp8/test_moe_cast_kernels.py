@@ -180,7 +180,9 @@ class TestInterpreter:
         r, x = routed_input(24, 2, 4, 40, seed=7)
         w = expert_weights(4, 32, 40, seed=8)
         so = Q.ScaleOptions(power_of_2=True)
-        assert Q.fused_kernels(x, GPU_BACKEND, "tokens", E4M3, so) is mc
+        from fp8boost.fp8.kernels import moe_cast_ops
+
+        assert Q.fused_kernels(x, GPU_BACKEND, "tokens", E4M3, so) is moe_cast_ops
         assert Q.fused_kernels(x, "emulated", "tokens", E4M3, so) is None
         calls = [lambda b: Q.quantize_tokens(x, E4M3, so, backend=b),
                  lambda b: Q.quantize_experts(w, so, backend=b),
@@ -200,6 +202,38 @@ class TestInterpreter:
         for got, ref in zip(Q.quantize_groups_t(x, r.group, 4, E4M3, so7, backend=GPU_BACKEND),
                             Q.quantize_groups_t(x, r.group, 4, E4M3, so7)):
             assert_same(got, ref, "refused")
+
+    def test_compiled_experts_call_the_cast_ops(self, mc, monkeypatch):
+        """Compiled FP8 experts on the GPU backend's code path (fullgraph) call the Triton
+        casts as ops, forward and backward, and give eager's bits (aot_eager: no codegen)."""
+        import copy
+        import dataclasses
+
+        from fp8boost.fp8.moe import fp8_experts
+        from tests.fp8 import test_moe_compile as tmc  # CPU kernels of the GEMM ops
+
+        calls = _count_kernel_calls(monkeypatch)
+        experts = fp8_experts(tmc._fp8_model("qwen3_moe"))[0].bfloat16()
+        device, opts = experts._grouped_options
+        experts._grouped_options = (device, dataclasses.replace(opts, backend=GPU_BACKEND))
+        ref = copy.deepcopy(experts)
+        torch._dynamo.reset()
+        compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+        for step in range(2):
+            x, idx, w = tmc._expert_inputs(step, 32)
+            xs = [x.bfloat16().requires_grad_() for _ in range(2)]
+            before = sum(calls.values())
+            y = compiled(xs[0], idx, w.bfloat16())
+            y.backward(torch.ones_like(y))
+            # fprop: x (+ x^T) and W; backward: dy (+ dy^T) and W^T, per projection
+            assert sum(calls.values()) - before == 8, calls
+            y_ref = ref(xs[1], idx, w.bfloat16())
+            y_ref.backward(torch.ones_like(y_ref))
+            assert torch.equal(y, y_ref) and torch.equal(xs[0].grad, xs[1].grad), step
+            for p, q in zip(experts.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad) and q.grad.abs().max() > 0, step
+                p.grad = q.grad = None
+        torch._dynamo.reset()
 
     def test_experts_tile_spanning_experts(self, mc):
         # N = 20 < BLOCK_R: one row tile of the [E*N, K] view holds several experts.

@@ -18,12 +18,14 @@ outliers never coarsen another's scale. Padding and tail rows belong to no group
 amax and their bytes are zero whatever they hold (a padding row sits inside its expert's
 ``offsets`` range, so the grouped wgrad GEMM would otherwise sum it in).
 
-Dispatch: with ``backend="scaled_grouped_mm"`` (the grouped GEMM's GPU backend), eager CUDA
-calls take the Triton kernels of :mod:`fp8boost.fp8.kernels.moe_cast` (the same bytes and
-scales, in one or two reads of each tensor instead of the half-dozen passes, and the FP32 copy,
-of these torch ops). CPU tensors, the ``emulated`` backend, ``backend=None`` and
-``torch.compile`` (where inductor fuses these ops into their producer) keep the torch ops, as
-do inputs the kernels refuse (``moe_cast.supports``; logged once with the reason).
+Dispatch: with ``backend="scaled_grouped_mm"`` (the grouped GEMM's GPU backend), CUDA calls
+take the Triton kernels of :mod:`fp8boost.fp8.kernels.moe_cast` (the same bytes and scales, in
+one or two reads of each tensor instead of the half-dozen passes, and the FP32 copy, of these
+torch ops), as the custom ops of :mod:`~fp8boost.fp8.kernels.moe_cast_ops`, in eager mode and
+under ``torch.compile`` alike (inductor lowers the group amax's ``scatter_reduce`` to an
+atomic ATen kernel slower than the expert GEMMs; see that module). CPU tensors, the
+``emulated`` backend and ``backend=None`` keep the torch ops, as do inputs the kernels refuse
+(``moe_cast.supports``; logged once with the reason).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from ..granular.quantize import quantize_rows
 from ..kernels.tuning import interpreting
 from ..scaling import cast_to_fp8, scale_from_amax
 
-# Grouped GEMM backends whose eager CUDA casts take the Triton kernels (kernels.moe_cast).
+# Grouped GEMM backends whose CUDA casts take the Triton kernels (kernels.moe_cast_ops).
 FUSED_BACKENDS = ("scaled_grouped_mm",)
 _LOG = logging.getLogger("fp8boost.fp8.moe")
 
@@ -62,29 +64,28 @@ class ScaleOptions:
 
 def _import_kernels():
     try:
-        from ..kernels import moe_cast
+        from ..kernels import moe_cast_ops
     except Exception as e:  # noqa: BLE001 (no/broken Triton: any import error means "no")
         _state.log_once(_LOG, "moe-cast-import", f"FP8 expert casts: Triton kernels unavailable "
                         f"({type(e).__name__}: {e}); using the torch ops")
         return None
-    return moe_cast
+    return moe_cast_ops
 
 
 def fused_kernels(x: torch.Tensor, backend: Optional[str], what: str, dtype: torch.dtype,
                   opts: ScaleOptions, group: Optional[torch.Tensor] = None):
-    """The ``moe_cast`` module when this cast should take it, else None (use the torch ops).
+    """The ``moe_cast_ops`` module when this cast should take it, else None (torch ops).
 
-    Taken in eager mode on CUDA (or under Triton's interpreter) under
-    :data:`FUSED_BACKENDS`, for plain tensors, once Triton
-    imported (checked once per process) and when ``moe_cast.supports`` takes the inputs (a
-    refusal is logged once per ``what``, with the reason). Under ``torch.compile`` the torch ops
-    stay, so that inductor fuses them into the producer of ``x``.
+    Taken on CUDA (or under Triton's interpreter) under :data:`FUSED_BACKENDS`, for plain
+    tensors, once Triton imported (checked once per process) and when ``moe_cast.supports``
+    takes the inputs (a refusal is logged once per ``what``, with the reason); in eager mode
+    and under ``torch.compile`` (the casts are custom ops: one opaque call in the graph).
     """
     if backend not in FUSED_BACKENDS or type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None
     # Under Triton's CPU interpreter (TRITON_INTERPRET=1, a debugging mode) CPU tensors take
     # the kernels too, so that the CPU tests exercise this dispatch end to end.
-    if not (x.is_cuda or interpreting()) or torch.compiler.is_compiling():
+    if not (x.is_cuda or interpreting()):
         return None
     kernels = _state.probe("moe-triton-cast", _import_kernels)
     if kernels is None:
