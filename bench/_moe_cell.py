@@ -10,7 +10,8 @@ Modes: ``bf16_*`` run transformers' own experts (``experts_implementation="group
 what its users get); ``fp8_*`` convert every linear and expert module
 (``convert_to_fp8(model, Fp8Config(min_numel=0))``); ``fp8default_*`` convert with the library
 defaults (whatever ``convert_to_fp8`` keeps in BF16 is reported); ``fp8fast_*`` as ``fp8_*``
-with fast accumulation in the gradient GEMMs too (an ablation). ``*_compiled``: each decoder
+with fast accumulation in the gradient GEMMs too (an ablation); ``fp8hpw_*`` with the experts'
+weight gradient in BF16 (``Fp8Config(expert_wgrad="high_precision")``). ``*_compiled``: each decoder
 block compiled in place (``fp8boost.compile.compile_blocks``), with dynamo's counters as proof.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 VOCAB = 32000  # both: the expert blocks are measured, not a 152k-word lm_head
 MODES = ("bf16_eager", "bf16_compiled", "fp8_eager", "fp8_compiled", "fp8default_eager",
-         "fp8default_compiled", "fp8fast_eager", "fp8fast_compiled")
+         "fp8default_compiled", "fp8fast_eager", "fp8fast_compiled", "fp8hpw_eager",
+         "fp8hpw_compiled")
 
 
 def build_model(shape: str, device: torch.device) -> torch.nn.Module:
@@ -100,6 +102,8 @@ def prepare(model: torch.nn.Module, mode: str) -> dict[str, Any]:
         cfg = Fp8Config() if mode.startswith("fp8default") else Fp8Config(min_numel=0)
         if mode.startswith("fp8fast"):  # ablation: fast accumulation in every GEMM
             cfg = cfg.replace(fast_accum_dgrad=True, fast_accum_wgrad=True)
+        if mode.startswith("fp8hpw"):  # the experts' weight gradient in BF16
+            cfg = cfg.replace(expert_wgrad="high_precision")
         convert_to_fp8(model, cfg)
         experts = fp8_experts(model)
         linears = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fp8")

@@ -22,6 +22,7 @@ FORMATS = ("hybrid", "e4m3")
 BACKENDS = ("auto", "triton", "cublas", "emulated")
 AMAX_ALGOS = ("max", "most_recent")
 COMPILED_CASTS = ("inductor", "kernel")
+EXPERT_WGRADS = ("fp8", "high_precision")
 DEFAULT_MIN_NUMEL = 4096 * 4096
 """The library default of ``Fp8Config.min_numel`` (used where that field is None)."""
 
@@ -86,6 +87,15 @@ class Fp8Config:
     input's dtype, BF16 in training) instead of FP8, as torchao's ``rowwise_with_gw_hp``. As
     there, the layer then saves its input in high precision for backward (not an FP8 copy):
     2 bytes per element instead of 1, for an exact weight gradient."""
+
+    expert_wgrad: str = "fp8"
+    """Fused-expert (MoE) modules: the weight gradient's grouped GEMM in ``fp8`` (``dy^T`` and
+    ``x^T`` cast per (expert, column), ``x^T`` saved in FP8) or ``high_precision`` (the
+    input's dtype, BF16 in training: ``torch._grouped_mm`` on CUDA; ``x`` saved as it is, as
+    in BF16 training, 2 bytes per element instead of 1). The forward and input-gradient GEMMs
+    stay FP8 either way. torch's FP8 K-grouped GEMM ran the Qwen3-30B-A3B expert shapes
+    (128 experts x 768) at 0.21-0.31x BF16's speed on an H200 (issue 34); compare both with
+    ``bench/moe_step.py``."""
 
     backend: str = "auto"
     """``auto`` (triton on sm89+, else emulated, with a one-time warning), ``triton``,
@@ -171,6 +181,7 @@ class Fp8Config:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
         _check_choice("compiled_casts", self.compiled_casts, COMPILED_CASTS)
+        _check_choice("expert_wgrad", self.expert_wgrad, EXPERT_WGRADS)
         for name in ("amax_history_len", "margin", "min_features", "min_numel", "block_size"):
             value = getattr(self, name)
             if name == "min_numel" and value is None:  # the library default (see the field)
@@ -267,7 +278,8 @@ NAMED_RECIPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         # (torchao's rowwise recipes and DeepSeek-V3 use e4m3 everywhere).
         "rowwise": {"recipe": "rowwise", "fp8_format": "e4m3", "power_of_2_scale": True},
         "rowwise_with_gw_hp": {"recipe": "rowwise", "fp8_format": "e4m3",
-                               "power_of_2_scale": True, "wgrad_high_precision": True},
+                               "power_of_2_scale": True, "wgrad_high_precision": True,
+                               "expert_wgrad": "high_precision"},
         "blockwise": {"recipe": "blockwise", "fp8_format": "e4m3"},
         "blockwise_pow2": {"recipe": "blockwise", "fp8_format": "e4m3", "power_of_2_scale": True},
     }.items()})

@@ -296,3 +296,52 @@ def test_bad_inputs_raise_with_the_fix():
         from fp8boost import _state
         _state.reset()
         assert resolve_backend(Fp8Config(), torch.device("cpu")) == "emulated"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_high_precision_expert_wgrad_is_the_exact_grouped_product(backend):
+    """``expert_wgrad="high_precision"``: dW_e = dy_e^T . x_e exactly (FP32 here, from the
+    same dy), an expert with no rows gets zeros, and y and dx are the FP8 path's bits; the
+    same compiled (one graph)."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(3)
+    t, k, e = 40, 2, 4
+    x = torch.randn(t, 32, generator=g)
+    x[7, 2] = 60.0
+    idx = torch.randint(0, e - 1, (t, k), generator=g)  # expert 3 gets no rows
+    r = route(idx, e)
+    w = torch.randn(e, 48, 32, generator=g)
+    dy = torch.randn(t * k, 48, generator=g)
+    opts = GroupedOptions()
+
+    def run(o, fn):
+        xr = x.repeat_interleave(k, 0).requires_grad_()
+        wp = w.clone().requires_grad_()
+        rows = torch.zeros(r.rows, 32).index_copy(0, r.pos, xr)
+        y = fn(rows, wp, o)
+        y[r.pos].backward(dy)
+        return y, xr.grad, wp.grad
+
+    def plain(rows, wp, o):
+        return grouped_linear(rows, wp, r, o)
+
+    hp = dataclasses.replace(opts, wgrad_fp8=False)
+    fn = plain if backend == "eager" else torch.compile(plain, backend=backend, fullgraph=True)
+    y8, dx8, dw8 = run(opts, plain)
+    y, dx, dw = run(hp, fn)
+    assert torch.equal(y, y8) and torch.equal(dx, dx8)
+    xs, dys = x.repeat_interleave(k, 0), dy
+    want = torch.zeros_like(w)
+    for i, ex in enumerate(idx.reshape(-1).tolist()):
+        want[ex] += torch.outer(dys[i], xs[i])
+    torch.testing.assert_close(dw, want, rtol=1e-5, atol=1e-4)
+    assert (dw[3] == 0).all() and rel(dw8, want) > 1e-3  # the FP8 one is not exact
+    with pytest.raises(ValueError, match="expert_wgrad"):
+        Fp8Config(expert_wgrad="bf16")
+    assert Fp8Config.from_recipe("rowwise_with_gw_hp").expert_wgrad == "high_precision"
+    model = tiny("mixtral")
+    convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0,
+                                    expert_wgrad="high_precision"))
+    assert all(not m.options(torch.device("cpu")).wgrad_fp8 for m in fp8_experts(model))
+    assert "wgrad=high_precision" in repr(fp8_experts(model)[0])

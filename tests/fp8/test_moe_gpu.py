@@ -61,9 +61,12 @@ def test_scaled_grouped_gemm_ops_fakes_match_the_kernel():
     assert scaled_mm(*mm).shape == (r.rows, 48) and scaled_mm_wgrad(*wg).shape == (3, 48, 32)
 
 
+@pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["wgrad_fp8", "wgrad_bf16"])
 @pytest.mark.parametrize("e,t,k,h,n", [(4, 200, 2, 256, 512), (16, 64, 4, 128, 96),
                                        (8, 512, 2, 512, 1024)])
-def test_cuda_grouped_linear_matches_emulated_forward_and_backward(e, t, k, h, n):
+def test_cuda_grouped_linear_matches_emulated_forward_and_backward(e, t, k, h, n, wgrad_fp8):
+    """The CUDA backend against the emulated one (same FP8 bytes, FP32 products); with
+    ``wgrad_fp8=False`` the weight gradient is BF16 torch._grouped_mm against FP32."""
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.randint(0, e, (t, k), device="cuda", generator=g)
     idx[: t // 2, 0] = 1  # uneven groups; with e=16 and t*k=256 some experts are empty
@@ -77,7 +80,8 @@ def test_cuda_grouped_linear_matches_emulated_forward_and_backward(e, t, k, h, n
     out = {}
     for backend in ("scaled_grouped_mm", "emulated"):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = grouped_linear(xg, wg, r, GroupedOptions(ScaleOptions(power_of_2=True), backend))
+        opts = GroupedOptions(ScaleOptions(power_of_2=True), backend, wgrad_fp8=wgrad_fp8)
+        y = grouped_linear(xg, wg, r, opts)
         y.backward(dy)
         out[backend] = (y, xg.grad, wg.grad)
     for name, got, want in zip(("y", "dx", "dw"), out["scaled_grouped_mm"], out["emulated"]):

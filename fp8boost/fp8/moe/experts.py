@@ -157,7 +157,7 @@ class Fp8Experts(nn.Module):
             cfg = self.fp8_config
             opts = GroupedOptions(scale_options(cfg), resolve_backend(cfg, device),
                                   cfg.fast_accum_fprop, cfg.fast_accum_dgrad,
-                                  cfg.fast_accum_wgrad)
+                                  cfg.fast_accum_wgrad, cfg.expert_wgrad == "fp8")
             self._grouped_options = cached = (device, opts)
         return cached[1]
 
@@ -196,7 +196,8 @@ class Fp8Experts(nn.Module):
     def extra_repr(self) -> str:
         s = self.spec
         return (f"experts={s.num_experts}, hidden={s.hidden}, intermediate={s.intermediate}, "
-                f"recipe=rowwise, backend={self.fp8_config.backend}, "
+                f"recipe=rowwise, wgrad={self.fp8_config.expert_wgrad}, "
+                f"backend={self.fp8_config.backend}, "
                 f"from={type(self.hf_module).__name__}")
 
 

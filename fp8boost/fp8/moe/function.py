@@ -7,7 +7,9 @@ For expert ``e`` and its rows ``x_e`` (``W [E, N, K]``, the HF layout):
     wgrad  dW_e = dy_e^T . x_e     dy^T, x^T: per (e, column) over expert e's tokens
 
 Forward saves ``x^T`` in FP8 (1 byte/element) when the weight needs a gradient, and the
-Parameter itself (kept anyway), re-quantized along N in backward. Rows of no expert (padding,
+Parameter itself (kept anyway), re-quantized along N in backward. With
+``GroupedOptions.wgrad_fp8=False`` the weight gradient runs in the inputs' precision instead
+(``dW_e = dy_e^T . x_e`` by ``torch._grouped_mm``; ``x`` saved as it is). Rows of no expert (padding,
 tail) come out as zeros. Outputs and gradients come back in the dtypes of their inputs.
 
 Under ``torch.compile`` dynamo traces this function's forward and backward into the graph
@@ -38,6 +40,7 @@ class GroupedOptions:
         fast_accum_fprop: fast accumulation in fprop (``scaled_grouped_mm`` only).
         fast_accum_dgrad: in dgrad.
         fast_accum_wgrad: in wgrad.
+        wgrad_fp8: the weight gradient in FP8 (else in the inputs' dtype, BF16 in training).
     """
 
     scales: ScaleOptions = ScaleOptions()
@@ -45,6 +48,7 @@ class GroupedOptions:
     fast_accum_fprop: bool = True
     fast_accum_dgrad: bool = False
     fast_accum_wgrad: bool = False
+    wgrad_fp8: bool = True
 
 
 def _mm(a, a_inv, b, b_inv, r: Routing, opts: GroupedOptions, fast: bool, dtype):
@@ -64,6 +68,23 @@ def _mm_wgrad(a, a_inv, b, b_inv, r: Routing, opts: GroupedOptions, dtype):
     return cast_result(out, dtype)
 
 
+def _mm_wgrad_hp(dy, x, r: Routing, opts: GroupedOptions, dtype):
+    """``dW_e = dy_e^T . x_e`` in the inputs' precision: BF16 ``torch._grouped_mm`` on the GPU
+    backend, the emulated op (FP32, unit scales) elsewhere. Rows of no expert hold zeros in
+    ``x`` (the routing's buffers), so the padding inside a group adds nothing."""
+    if opts.backend == "scaled_grouped_mm":
+        out = torch._grouped_mm(dy.t(), x, offs=r.offsets)
+        sizes = torch.diff(r.offsets, prepend=r.offsets.new_zeros(1))
+        out = torch.where((sizes > 0).view(-1, 1, 1), out, 0)  # an expert with no rows: zero
+    else:
+        e = r.num_experts
+        ones_a = dy.new_ones(e, dy.shape[1], dtype=torch.float32)
+        ones_b = x.new_ones(e, x.shape[1], dtype=torch.float32)
+        out = emulated_mm_wgrad(dy.t().float(), ones_a, x.t().float(), ones_b, r.offsets,
+                                r.group, r.local)
+    return cast_result(out, dtype)
+
+
 class GroupedFp8Linear(torch.autograd.Function):
     """``apply(x, weight, routing, opts, save_x)``: see :func:`grouped_linear`."""
 
@@ -71,11 +92,13 @@ class GroupedFp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, routing: Routing, opts: GroupedOptions, save_x: bool):
         s = opts.scales
         saved = (None, None)
-        if save_x:  # x and wgrad's x^T from one call (one pair of passes on the fused path)
+        if save_x and opts.wgrad_fp8:  # x and x^T from one call (one pair of passes, fused)
             (xq, x_inv), saved = quantize_tokens_and_groups_t(
                 x, routing.group, routing.num_experts, s.fwd_dtype, s, backend=opts.backend)
         else:
             xq, x_inv = quantize_tokens(x, s.fwd_dtype, s, backend=opts.backend)
+            if save_x:  # the high-precision weight gradient reads x as it is
+                saved = (x.detach(), None)
         wq, w_inv = quantize_experts(weight, s, backend=opts.backend)
         y = _mm(xq, x_inv, wq, w_inv, routing, opts, opts.fast_accum_fprop, x.dtype)
         ctx.save_for_backward(weight, *saved)
@@ -90,6 +113,9 @@ class GroupedFp8Linear(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_dw and not opts.wgrad_fp8:
+            dw = _mm_wgrad_hp(dy, xt, r, opts, weight.dtype)  # xt: x itself here
+            need_dw = False
         if need_dx and need_dw:  # dy and dy^T from one call (one pair of passes, fused path)
             (dyq, dy_inv), (dyt, dyt_inv) = quantize_tokens_and_groups_t(
                 dy, r.group, r.num_experts, s.grad_dtype, s, backend=opts.backend)
