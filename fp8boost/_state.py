@@ -13,7 +13,9 @@ import time):
   default ``Fp8CommConfig``, Triton kernels);
 * named caches (``cache``): dicts owned here, used by one module each: ``"fp8.backends"``
   (backend name -> backend instance), ``"fp8.shared_cast"`` (the last shared input cast),
-  ``"zero.fused_step.steps"`` (each master's step count as a float);
+  ``"zero.fused_step.steps"`` (each master's step count as a float),
+  ``"colossal-fp8-ddp-hook-states"`` (``fp8boost.colossal.quantization``'s DDP hook state per
+  process group);
 * tracked objects (``track``): objects that hold process-wide state of their own and clear it
   in their ``clear()`` method, held weakly (the kernel config caches,
   ``fp8.kernels.tuning.ConfigCache``: every instance, including ones a test builds);

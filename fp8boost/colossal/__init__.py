@@ -19,7 +19,7 @@ import importlib
 from typing import Any
 
 _SUBMODULES = ("accelerator", "booster", "cluster", "initialize", "lazy", "logging", "nn",
-               "pipeline", "shardformer", "utils")
+               "pipeline", "quantization", "shardformer", "utils")
 _INITIALIZE = ("launch", "launch_from_torch")
 
 __all__ = [*_INITIALIZE, *_SUBMODULES]
