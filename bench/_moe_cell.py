@@ -99,7 +99,9 @@ def prepare(model: torch.nn.Module, mode: str) -> dict[str, Any]:
         from fp8boost.fp8 import Fp8Config, convert_to_fp8
         from fp8boost.fp8.moe import fp8_experts
 
-        cfg = Fp8Config() if mode.startswith("fp8default") else Fp8Config(min_numel=0)
+        # fp8_*: every GEMM in FP8 (no per-shape choice); fp8default_*: the library's choice
+        cfg = (Fp8Config() if mode.startswith("fp8default")
+               else Fp8Config(min_numel=0, expert_wgrad="fp8"))
         if mode.startswith("fp8fast"):  # ablation: fast accumulation in every GEMM
             cfg = cfg.replace(fast_accum_dgrad=True, fast_accum_wgrad=True)
         if mode.startswith("fp8hpw"):  # the experts' weight gradient in BF16
@@ -112,7 +114,8 @@ def prepare(model: torch.nn.Module, mode: str) -> dict[str, Any]:
                 and type(m) is torch.nn.Linear]
         info["fp8_coverage"] = dict(experts=len(experts), linears=len(linears),
                                     bf16_linears=kept, backend=[e.options(
-                                        e.gate_up_proj.device).backend for e in experts][:1])
+                                        e.gate_up_proj.device).backend for e in experts][:1],
+                                    precision=[e.precision for e in experts])
     if mode.endswith("_compiled"):
         from fp8boost.compile import compile_blocks
 

@@ -16,7 +16,7 @@ if [ "$what" = all ]; then
     | grep -v DEBUG | tee "$OUT/moe_gpu_tests.log" | tail -8
 fi
 shapes=${2:-mixtral,qwen3}
-modes=${3:-bf16_compiled,fp8_compiled,fp8fast_compiled,fp8hpw_compiled}
+modes=${3:-bf16_compiled,fp8_compiled,fp8fast_compiled,fp8hpw_compiled,fp8default_compiled}
 timeout ${TABLE_TIMEOUT:-430} python3 bench/moe_step.py --shapes "$shapes" --modes "$modes" \
-  --warmup 3 --steps 6 --profile-steps 2 --cell-timeout 110 \
+  --warmup 3 --steps 6 --profile-steps 2 --cell-timeout 100 \
   --output "$OUT/moe_step_${TAG:-run}.json" 2>&1 | grep -v "^|---" | tail -40

@@ -22,7 +22,7 @@ FORMATS = ("hybrid", "e4m3")
 BACKENDS = ("auto", "triton", "cublas", "emulated")
 AMAX_ALGOS = ("max", "most_recent")
 COMPILED_CASTS = ("inductor", "kernel")
-EXPERT_WGRADS = ("fp8", "high_precision")
+EXPERT_WGRADS = ("auto", "fp8", "high_precision")
 DEFAULT_MIN_NUMEL = 4096 * 4096
 """The library default of ``Fp8Config.min_numel`` (used where that field is None)."""
 
@@ -88,14 +88,16 @@ class Fp8Config:
     there, the layer then saves its input in high precision for backward (not an FP8 copy):
     2 bytes per element instead of 1, for an exact weight gradient."""
 
-    expert_wgrad: str = "fp8"
+    expert_wgrad: str = "auto"
     """Fused-expert (MoE) modules: the weight gradient's grouped GEMM in ``fp8`` (``dy^T`` and
     ``x^T`` cast per (expert, column), ``x^T`` saved in FP8) or ``high_precision`` (the
     input's dtype, BF16 in training: ``torch._grouped_mm`` on CUDA; ``x`` saved as it is, as
-    in BF16 training, 2 bytes per element instead of 1). The forward and input-gradient GEMMs
-    stay FP8 either way. torch's FP8 K-grouped GEMM ran the Qwen3-30B-A3B expert shapes
-    (128 experts x 768) at 0.21-0.31x BF16's speed on an H200 (issue 34); compare both with
-    ``bench/moe_step.py``."""
+    in BF16 training, 2 bytes per element instead of 1); the forward and input-gradient GEMMs
+    stay FP8 either way. ``auto``: on the GPU, the faster of the two at the module's shape,
+    timed once and cached (:mod:`fp8boost.fp8.moe.choice`, which also keeps the experts in
+    BF16 where FP8 is slower under the default ``min_numel``); elsewhere ``fp8``. torch's FP8
+    K-grouped GEMM ran the Qwen3-30B-A3B expert shapes (128 experts x 768) at 0.21-0.31x
+    BF16's speed on an H200 (issue 34)."""
 
     backend: str = "auto"
     """``auto`` (triton on sm89+, else emulated, with a one-time warning), ``triton``,

@@ -344,4 +344,56 @@ def test_high_precision_expert_wgrad_is_the_exact_grouped_product(backend):
     convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0,
                                     expert_wgrad="high_precision"))
     assert all(not m.options(torch.device("cpu")).wgrad_fp8 for m in fp8_experts(model))
-    assert "wgrad=high_precision" in repr(fp8_experts(model)[0])
+    assert "precision=fp8_wgrad_hp" in repr(fp8_experts(model)[0])
+
+
+def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(monkeypatch):
+    """fp8.moe.choice on the GPU backend's code path (CPU tensors here, times faked): the
+    fastest candidate wins and is cached per shape, BF16 only under the default min_numel
+    (warned once, with the times), and BF16 experts compute the HF module's forward."""
+    from fp8boost import _state
+    from fp8boost.fp8.kernels import tuning
+    from fp8boost.fp8.moe import choice
+    from fp8boost.fp8.moe import experts as experts_mod
+
+    monkeypatch.setenv("FP8BOOST_AUTOTUNE_CACHE", "0")
+    ran = []
+    real = experts_mod.forward_with
+
+    def recording(experts, x, idx, w, precision, device):
+        ran.append(precision)
+        return real(experts, x, idx, w, precision, device)
+
+    fake_ms = {"fp8": 3.0, "fp8_wgrad_hp": 2.0, "bf16": 1.0}
+
+    def fake_time(fn):
+        fn()
+        return fake_ms[ran[-1]]
+
+    monkeypatch.setattr(experts_mod, "forward_with", recording)
+    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    monkeypatch.setattr(choice, "TOKENS", 64)
+    autotune = _state.setting(tuning._AUTOTUNE)
+    tuning.set_autotune(True)
+    _state.reset()
+    try:
+        hf = tiny("mixtral").model.layers[0].mlp.experts
+        spec = find_expert_spec(hf)
+        fp8 = Fp8Experts(copy.deepcopy(hf), spec, Fp8Config(backend="emulated"))
+        with pytest.warns(UserWarning, match=r"keep BF16 .*\(fp8 3.00 ms, fp8_wgrad_hp 2.00 ms"):
+            assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm") == "bf16"
+        assert sorted(set(ran)) == ["bf16", "fp8", "fp8_wgrad_hp"] and choice.top_k_of(fp8) == 2
+        n = len(ran)
+        assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm") == "bf16"
+        assert len(ran) == n  # cached: not timed again
+        forced = Fp8Experts(copy.deepcopy(hf), spec, Fp8Config(backend="emulated", min_numel=0))
+        assert choice.candidates(forced.fp8_config, "scaled_grouped_mm") == ["fp8",
+                                                                            "fp8_wgrad_hp"]
+        # BF16 experts: transformers' own forward, through the routed layout.
+        fp8.precision = "bf16"
+        x, idx = torch.randn(10, 64), torch.randint(0, 4, (10, 2))
+        w = torch.rand(10, 2).softmax(-1)
+        torch.testing.assert_close(fp8(x, idx, w), hf(x, idx, w), rtol=1e-5, atol=1e-6)
+    finally:
+        _state.reset()
+        tuning.set_autotune(autotune)

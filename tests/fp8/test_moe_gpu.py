@@ -102,7 +102,8 @@ def test_fp8_experts_on_cuda_match_hf_bf16_and_print_speed(monkeypatch):
         for p in hf.parameters():
             p.normal_(0, 0.02)
     ref = copy.deepcopy(hf)
-    fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="auto"))
+    fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="auto", min_numel=0,
+                                                         expert_wgrad="fp8"))
     t = 8192
     x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
     idx = torch.stack([torch.randperm(32, device="cuda")[:8] for _ in range(t)])
@@ -177,7 +178,8 @@ def test_compiled_cuda_experts_match_eager_with_one_graph(backend):
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.02)
-    fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="auto"))
+    fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="auto", min_numel=0,
+                                                         expert_wgrad="fp8"))
     # A bare "cuda" (no index) is the device the forward sees ("cuda:0"): one cache entry,
     # nothing resolved inside the compiled forward.
     assert fp8.options(torch.device("cuda")).backend == "scaled_grouped_mm"
@@ -279,3 +281,39 @@ def test_compile_blocks_of_an_fp8_moe_model_on_cuda_keep_one_graph():
     assert mean < 1.1 and worst[1] < 1.6, (mean, worst)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_precision_choice_times_once_and_the_choice_trains(monkeypatch, tmp_path):
+    """fp8.moe.choice on a real GPU: the default config times fp8 / fp8_wgrad_hp / bf16 once
+    for the shape (stored on disk, read back by a fresh cache), the chosen precision runs
+    forward + backward, and an explicit min_numel keeps BF16 out of the candidates."""
+    from fp8boost import _state
+    from fp8boost.fp8.kernels import tuning
+    from fp8boost.fp8.moe import choice
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    monkeypatch.setenv("FP8BOOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "TOKENS", 2048)
+    _state.reset()
+    tuning.set_autotune(True)
+    cfg = transformers.Qwen3MoeConfig(hidden_size=512, moe_intermediate_size=256,
+                                      num_experts=16, num_experts_per_tok=4)
+    hf = Qwen3MoeExperts(cfg).cuda().bfloat16()
+    fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config())
+    key = (16, 512, 256, 4, torch.bfloat16, torch.cuda.current_device())
+    timings = choice._CACHE.timings.get(key)
+    assert timings and sorted(c for c, _ in timings) == ["bf16", "fp8", "fp8_wgrad_hp"], timings
+    assert fp8.precision == min(timings, key=lambda t: t[1])[0]
+    print("precision timings (ms):", timings, "->", fp8.precision)
+    assert list(tmp_path.glob("moe-precision-*.json"))  # stored for the next process
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(0, 16, (256, 4), device="cuda")
+    y = fp8(x, idx, torch.rand(256, 4, device="cuda").softmax(-1).bfloat16())
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and fp8.gate_up_proj.grad.abs().sum() > 0
+    choice._CACHE.clear()  # a new process: the decision comes from the file, untimed
+    again = Fp8Experts(Qwen3MoeExperts(cfg).cuda().bfloat16(), find_expert_spec(hf), Fp8Config())
+    assert again.precision == fp8.precision and key not in choice._CACHE.timings
+    assert choice.candidates(Fp8Config(min_numel=0), "scaled_grouped_mm") == ["fp8",
+                                                                             "fp8_wgrad_hp"]
+    _state.reset()

@@ -3,7 +3,9 @@
 ``detect``: structural detection of fused-expert modules; ``routing``: the sort by expert;
 ``quantize``: rowwise expert operands; ``gemm``: the grouped GEMMs (``torch._scaled_grouped_mm``
 or emulated); ``function``: their autograd function; ``experts``: :class:`Fp8Experts`;
-``convert``: the hook ``convert_to_fp8`` / ``convert_from_fp8`` call.
+``choice``: the precision (FP8, FP8 with a BF16 weight gradient, or BF16) each module trains
+in on a GPU, timed once per shape; ``convert``: the hook ``convert_to_fp8`` /
+``convert_from_fp8`` call.
 """
 from .convert import experts_back, experts_decision, experts_skip_reason
 from .detect import ExpertSpec, find_expert_spec

@@ -3,7 +3,8 @@
 ``fp8boost.fp8.convert`` asks :func:`experts_decision` about every module it visits: a
 fused-expert module (found structurally, :func:`~fp8boost.fp8.moe.detect.find_expert_spec`)
 becomes an :class:`~fp8boost.fp8.moe.experts.Fp8Experts` holding the same Parameters, or is
-kept with a reason. The default filter applies the linear layers' rules to the expert
+kept with a reason (on a GPU, also where FP8 measured slower at the module's shape:
+:mod:`~fp8boost.fp8.moe.choice`). The default filter applies the linear layers' rules to the expert
 weights: H and I divisible by 16 (FP8 tensor-core alignment), both at least ``min_features``,
 and ``min_numel`` compared with the whole ``gate_up_proj`` (E x 2I x H: one grouped GEMM does
 the work of all experts, so its size, not one expert's, decides whether FP8 gains). A
@@ -61,7 +62,14 @@ def experts_decision(module: nn.Module, fqn: str, config,
         reason = None if module_filter_fn(module, fqn) else "module_filter_fn returned False"
     else:
         reason = experts_skip_reason(found, config)
-    return reason if reason is not None else Fp8Experts(module, found, config)
+    if reason is not None:
+        return reason
+    fp8 = Fp8Experts(module, found, config)
+    if fp8.precision == "bf16":  # on the GPU already, and FP8 measured slower (moe.choice)
+        fp8.to_hf()  # the HF module stays in place, with its own Parameters
+        return ("FP8 measured slower than BF16 at this shape on this GPU (fp8.moe.choice); "
+                "Fp8Config(min_numel=0) forces FP8")
+    return fp8
 
 
 def experts_back(module: nn.Module) -> Optional[nn.Module]:

@@ -34,8 +34,9 @@ from torch import nn
 from fp8boost import _state
 
 from ..config import Fp8Config
+from .choice import choose
 from .detect import ExpertSpec
-from .function import GroupedOptions, grouped_linear
+from .function import GroupedOptions, grouped_linear, grouped_mm_hp
 from .gemm import resolve_backend
 from .quantize import ScaleOptions
 from .routing import route
@@ -106,6 +107,9 @@ class Fp8Experts(nn.Module):
             self.act_fn = act
         self.train(hf_module.training)
         self._grouped_options: Optional[tuple[torch.device, GroupedOptions]] = None
+        self.precision = "fp8"
+        """What the experts train in on their device: ``fp8``, ``fp8_wgrad_hp`` or ``bf16``
+        (the HF module's own forward), from :func:`fp8boost.fp8.moe.choice.choose`."""
         self.resolve_options()
 
     def __getattr__(self, name: str):
@@ -154,11 +158,10 @@ class Fp8Experts(nn.Module):
         device = _device_key(device)
         cached = self._grouped_options
         if cached is None or cached[0] != device:
-            cfg = self.fp8_config
-            opts = GroupedOptions(scale_options(cfg), resolve_backend(cfg, device),
-                                  cfg.fast_accum_fprop, cfg.fast_accum_dgrad,
-                                  cfg.fast_accum_wgrad, cfg.expert_wgrad == "fp8")
-            self._grouped_options = cached = (device, opts)
+            backend = resolve_backend(self.fp8_config, device)
+            self.precision = choose(self, device, backend)
+            self._grouped_options = cached = (device, _options(self.fp8_config, backend,
+                                                                self.precision))
         return cached[1]
 
     def options(self, device: torch.device) -> GroupedOptions:
@@ -173,6 +176,17 @@ class Fp8Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        opts = self.options(hidden_states.device)
+        # precision "bf16": FP8 measured slower at this shape (fp8.moe.choice)
+        return self._routed_forward(hidden_states, top_k_index, top_k_weights,
+                                    None if self.precision == "bf16" else opts)
+
+    def _routed_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor,
+                        opts: Optional[GroupedOptions]) -> torch.Tensor:
+        """The forward over the routing's row layout: grouped FP8 GEMMs under ``opts``, or
+        (None) BF16 ``torch._grouped_mm``, transformers' ``grouped_mm`` experts' GEMM, on the
+        module's current Parameters (whatever a plugin swapped in)."""
         spec = self.spec
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, spec.hidden)
@@ -186,19 +200,37 @@ class Fp8Experts(nn.Module):
         valid = (ids >= 0) & (ids < spec.num_experts)
         weights = torch.where(valid.unsqueeze(1), weights, 0)
         r = route(torch.where(valid, ids, 0), spec.num_experts)
-        opts = self.options(x.device)
         rows = x.new_zeros(r.rows, spec.hidden).index_copy(0, r.pos, x.repeat_interleave(k, 0))
-        h = grouped_linear(rows, getattr(self, spec.gate_up), r, opts)
-        h = grouped_linear(self._gate(h), getattr(self, spec.down), r, opts)
+        if opts is None:
+            h = grouped_mm_hp(rows, getattr(self, spec.gate_up), r)
+            h = grouped_mm_hp(self._gate(h), getattr(self, spec.down), r)
+        else:
+            h = grouped_linear(rows, getattr(self, spec.gate_up), r, opts)
+            h = grouped_linear(self._gate(h), getattr(self, spec.down), r, opts)
         out = (h[r.pos] * weights).view(t, k, spec.hidden).sum(dim=1)
         return out.to(hidden_states.dtype).view(shape)
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"experts={s.num_experts}, hidden={s.hidden}, intermediate={s.intermediate}, "
-                f"recipe=rowwise, wgrad={self.fp8_config.expert_wgrad}, "
+                f"recipe=rowwise, precision={self.precision}, "
                 f"backend={self.fp8_config.backend}, "
                 f"from={type(self.hf_module).__name__}")
+
+
+def _options(cfg: Fp8Config, backend: str, precision: str) -> GroupedOptions:
+    return GroupedOptions(scale_options(cfg), backend, cfg.fast_accum_fprop,
+                          cfg.fast_accum_dgrad, cfg.fast_accum_wgrad, precision == "fp8")
+
+
+def forward_with(experts: Fp8Experts, x: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, precision: str,
+                 device: torch.device) -> torch.Tensor:
+    """``experts``' forward in ``precision`` (one of ``fp8.moe.choice.PRECISIONS``), whatever
+    the module chose: what the precision probe times."""
+    backend = resolve_backend(experts.fp8_config, device)
+    opts = None if precision == "bf16" else _options(experts.fp8_config, backend, precision)
+    return experts._routed_forward(x, top_k_index, top_k_weights, opts)
 
 
 def is_fp8_experts(module: nn.Module) -> bool:

@@ -132,6 +132,18 @@ class GroupedFp8Linear(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+def grouped_mm_hp(x: torch.Tensor, weight: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``y[r] = x[r] . weight[e(r)]^T`` in the inputs' precision (``torch._grouped_mm``, with
+    torch's autograd): the BF16 experts an :class:`~fp8boost.fp8.moe.experts.Fp8Experts` runs
+    where FP8 measured slower. Rows of no expert come out as zeros. On CPU the product runs in
+    FP32 (torch's CPU kernel takes FP32 only) and comes back in ``x``'s dtype."""
+    a, b = x, weight.transpose(-2, -1)
+    if x.device.type == "cpu":
+        a, b = a.float(), b.float()
+    out = torch._grouped_mm(a, b, offs=routing.offsets)
+    return torch.where((routing.group < routing.num_experts).unsqueeze(1), out, 0).to(x.dtype)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
                    opts: GroupedOptions) -> torch.Tensor:
     """``y[r] = x[r] . weight[e(r)]^T`` for every row ``r`` of expert ``e(r)``, in FP8.
