@@ -1,17 +1,21 @@
 """MoeHybridParallelPlugin: expert (ep) x pipeline (pp) x tensor (tp) x data parallelism for HF
 MoE models.
 
-``world = dp x pp x tp`` ranks, ``dp = moe_dp x ep``, in Colossal-AI's layout
-(``moe_grads.MoeDims``), ``zero_stage`` 0/1/2 (ZeRO over the moe-dp group:
-:meth:`MoeHybridParallelPlugin.wrap_optimizer`; <= 1 with pp). Within a replica the tp
-ranks split attention, dense MLPs, embedding and LM head by ``HybridParallelPlugin``'s
-:class:`~fp8boost.parallel.tp.TpPlan` (``apply_tp``) and keep every MoE block (router,
-experts, shared experts) whole (``TpPlan.replicated_moe``); over ``ep`` the fused experts are
-sliced, ``E/ep`` per rank (:mod:`~fp8boost.plugins.moe_dispatch`), with the all-to-all
-dispatch over the ep group of the rank's tp index. Rank layout, groups and gradient scaling:
-:mod:`~fp8boost.plugins.moe_grads`. With ``pp_size > 1`` the pipeline is
+``world = dp x pp x tp`` ranks, ``dp = moe_dp x ep``, in Colossal-AI's layout (the
+topology's ``ep`` axis: :class:`~fp8boost.parallel.mesh.ParallelDims` with ``ep`` and
+``moe_dp_outside``; every group comes from its :class:`~fp8boost.parallel.mesh.Topology`),
+``zero_stage`` 0/1/2 (ZeRO over the moe-dp group: :meth:`MoeHybridParallelPlugin.wrap_optimizer`;
+<= 1 with pp). Within a replica the tp ranks split attention, dense MLPs, embedding and LM
+head by ``HybridParallelPlugin``'s :class:`~fp8boost.parallel.tp.TpPlan` (``apply_tp``) and
+keep every MoE block (router, experts, shared experts) whole (``TpPlan.replicated_moe``); over
+``ep`` the fused experts are sliced, ``E/ep`` per rank, with the token dispatch and combine
+over the ep group of the rank's tp index (:mod:`fp8boost.parallel.ep`). Gradient scaling:
+:mod:`fp8boost.parallel.ep.grads`. With ``pp_size > 1`` the pipeline is
 ``HybridParallelPlugin``'s (``hybrid_pipeline``: the stage split, the runner,
 ``execute_pipeline``), each stage's experts sliced over its own ep group.
+
+This file is the strategy: which step runs when, over which group; the steps live in
+``parallel/`` (``ep``, ``tp``, ``zero``, ``pipeline``) and the shared plugin helpers.
 
 Order of application: [pipeline split: this rank's stages] -> move/cast -> FP8 conversion ->
 broadcast (from rank 0; with pp from each stage's lowest rank) -> tensor-parallel split ->
@@ -21,12 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from typing import ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert_split,
+                                  counted_elsewhere, expert_params, full_expert_weights,
+                                  reduce_moe_gradients, register_ep_hooks, shard_experts)
+from fp8boost.parallel.mesh import ParallelDims
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .checkpoint_io.moe import MoeCheckpointIO
@@ -38,9 +47,6 @@ from .hybrid_parallel_plugin import check_custom_policy
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner,
                               checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .hybrid_sp import replica_groups
-from .moe_dispatch import EpExperts, expert_params, expert_spec_of, find_experts, shard_experts
-from .moe_grads import (MoeDims, Stage0Optimizer, average_over_ep, moe_groups,
-                        reduce_moe_gradients)
 from .options import check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
@@ -85,7 +91,8 @@ class MoeHybridParallelPlugin(Plugin):
             ``HybridParallelPlugin`` (``comm_config``); the combine, every gradient all-to-all,
             the gradient reductions and ZeRO's gathers stay in their dtype.
         moe_dp_outside: Colossal-AI's layout switch: ``(moe_dp, pp, ep, tp)`` (True) or
-            ``(pp, moe_dp, ep, tp)``; with ``pp_size=1`` both are one layout (``moe_grads``).
+            ``(pp, moe_dp, ep, tp)``; with ``pp_size=1`` both are one layout
+            (``parallel/mesh.py``).
         custom_policy, parallel_output, gradient_checkpoint_config, zero_bucket_size_in_m,
             communication_dtype, min_scale, growth_factor, backoff_factor, max_scale,
             hysteresis, cpu_offload: as in ``HybridParallelPlugin``.
@@ -202,15 +209,7 @@ class MoeHybridParallelPlugin(Plugin):
                 f"ep_size={ep} x tp_size={tp}"
             raise ValueError(f"{sizes} does not divide the world size {world}: use sizes "
                              "whose product divides the number of ranks")
-        experts = find_experts(model)
-        if ep > 1 and not experts:
-            raise ValueError("ep_size > 1 but the model has no fused-expert MoE module "
-                             "(3-D gate_up_proj/down_proj Parameters): use ep_size=1")
-        for name, module in experts:
-            n = expert_spec_of(module).num_experts
-            if n % ep:
-                raise ValueError(f"ep_size={ep} does not divide the {n} experts of {name}: "
-                                 "use an ep_size that divides the expert count")
+        check_expert_split(model, ep)
         self._debug_inputs = debug_every_step()
         self._plan = resolve_plan(model, self.custom_policy) if tp > 1 else None
         if self._plan is not None:
@@ -240,7 +239,10 @@ class MoeHybridParallelPlugin(Plugin):
             broadcast_stage(model, self.pp_state)
         else:
             broadcast_module(model, None)  # every rank starts from rank 0's full model
-        self.ep_group, self.moe_dp_group, self.norm_group = moe_groups(topo.dims)
+        # the expert axes' groups (collective: every rank, this order); the norm spans pp x ep:
+        # its ranks hold different stages and experts, together one copy of every parameter
+        self.ep_group, self.moe_dp_group = topo.group("ep"), topo.group("moe_dp")
+        self.norm_group = topo.flat_group("pp", "ep")
         if self._plan is not None:  # attention/dense MLPs split; MoE blocks stay whole
             plan = stage_plan(self._plan, model) if self.pp_state is not None else self._plan
             self.tp_state = apply_tp(model, plan, topo.group("tp"),
@@ -279,16 +281,16 @@ class MoeHybridParallelPlugin(Plugin):
         (its ranks hold different stages and experts; a stage's non-expert parameters counted
         on its ep rank 0 only, a tied embedding on the first stage only)."""
         topo = self.topology()
-        shared = [] if dist.get_rank(self.ep_group) == 0 else \
-            [p for p in model.parameters() if id(p) not in self._expert_ids]
+        shared = counted_elsewhere(model, self._expert_ids, self.ep_group)
         st = self.pp_state  # the last stage's tied embedding copy: the first stage counts it
         if st is not None and st.tied is not None and st.rank != st.layout.rank_of(0):
             shared.append(st.tied)
         sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
         replicated = [p for n, p in model.named_parameters() if n not in sharded]
         zero = self.zero_stage > 0
-        if zero and self.ep_size > 1:
-            self._register_ep_hooks(model)
+        if zero and self.ep_size > 1:  # the hooks wait while _sync is off (no_sync, pipeline)
+            register_ep_hooks(model, self._expert_ids, self.ep_group, self.ep_size,
+                              lambda: self._sync)
         cls = ZeroOptimizer if zero else Stage0Optimizer
         extra = {} if zero else {"reduce_fn": self.reduce_gradients}
         return cls(
@@ -302,30 +304,12 @@ class MoeHybridParallelPlugin(Plugin):
                                     self.colossal.loss_scale),
             fused_master_step=self.fused_master_step)
 
-    def _register_ep_hooks(self, model: nn.Module) -> None:
-        ep, group = self.ep_size, self.ep_group
-
-        def average(p: torch.Tensor) -> None:
-            if self._sync and p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(ep)
-
-        for p in model.parameters():
-            if not p.requires_grad:
-                continue
-            if id(p) in self._expert_ids:
-                p.register_hook(lambda g: g / ep)
-            else:
-                p.register_post_accumulate_grad_hook(average)
-
     # ------------------------------------------------------------------ pipeline
     @property
-    def dims(self) -> MoeDims:
-        """The (dp, pp, tp) cut with Colossal-AI's MoE rank layout (``moe_grads.MoeDims``:
+    def dims(self) -> ParallelDims:
+        """The (dp, pp, tp, ep) cut in Colossal-AI's MoE rank layout (``parallel/mesh.py``:
         dp = moe-dp x ep; initialises the process group if needed)."""
-        base = super().dims
-        return MoeDims(dp=base.dp, pp=base.pp, tp=base.tp, world_size=base.world_size,
-                       ep=self.ep_size, moe_dp_outside=self.moe_dp_outside)
+        return replace(super().dims, ep=self.ep_size, moe_dp_outside=self.moe_dp_outside)
 
     _stage_manager = None
 
@@ -349,7 +333,7 @@ class MoeHybridParallelPlugin(Plugin):
         (same arguments and result; the micro-batches' tokens are dispatched over each
         stage's ep group). Gradients are then reduced as at ``pp_size=1``, per stage: by
         :meth:`reduce_gradients` at ``zero_stage=0``; at ``zero_stage=1`` the non-expert ones
-        averaged over ep (:func:`~fp8boost.plugins.moe_grads.average_over_ep`, once, not in
+        averaged over ep (:func:`~fp8boost.parallel.ep.average_over_ep`, once, not in
         every micro-batch's backward), then ZeRO's reduction over moe-dp."""
         def reduce() -> None:
             if self.zero_stage == 0:
@@ -370,7 +354,7 @@ class MoeHybridParallelPlugin(Plugin):
 
     # ------------------------------------------------------------------ gradients
     def reduce_gradients(self) -> None:
-        """Average gradients over dp (``moe_grads``; collective over every rank)."""
+        """Average gradients over dp (``parallel/ep/grads.py``; collective over every rank)."""
         topo = self.topology()
         reduce_moe_gradients(self._model.parameters(), self._expert_ids, topo.group("dp"),
                              self.moe_dp_group, topo.dims.dp)
@@ -399,14 +383,9 @@ class MoeHybridParallelPlugin(Plugin):
 
     def exact_weights(self, model: nn.Module) -> dict[int, torch.Tensor]:
         """Every expert Parameter whole (all-gathered over the ep group): collective. Inside
-        ``moe_dispatch.gathered_experts`` they are whole already and are taken as they are."""
+        ``parallel.ep.gathered_experts`` they are whole already and are taken as they are."""
         out = super().exact_weights(model)
-        for module in self.unwrap_model(model).modules():
-            if isinstance(module, EpExperts):
-                for name in module.names:
-                    p = getattr(module, name)
-                    out[id(p)] = p.detach() if p.shape[0] == module.num_experts \
-                        else module.full_param(name)
+        out.update(full_expert_weights(self.unwrap_model(model)))
         return out
 
     def get_checkpoint_io(self):

@@ -10,8 +10,8 @@ from tests.dist_utils import run_distributed
 
 
 def test_dims_validate_and_infer():
-    assert ParallelDims(dp=2, pp=2, tp=2, world_size=8).coords(5) == {"dp": 1, "pp": 0, "sp": 0,
-                                                                      "tp": 1}
+    assert ParallelDims(dp=2, pp=2, tp=2, world_size=8).coords(5) == {
+        "dp": 1, "pp": 0, "sp": 0, "tp": 1, "ep": 0, "moe_dp": 1}  # ep = 1: moe_dp is dp
     assert ParallelDims.for_world(8, pp=2, tp=2).dp == 2
     with pytest.raises(ValueError, match=r"dp \(2\) x pp \(1\) x tp \(3\) = 6 must equal the world size \(4\)"):
         ParallelDims(dp=2, tp=3, world_size=4)
@@ -40,7 +40,7 @@ def _mesh_worker(rank: int, world: int):
     assert (topo.rank("dp"), topo.rank("tp")) == (rank // 2, rank % 2)
     assert topo.size("dp") == 2 and topo.size("pp") == 1
     with pytest.raises(ValueError, match="unknown mesh dimension"):
-        topo.group("ep")
+        topo.group("cp")  # ep and moe_dp are axes too: tests/parallel/test_mesh_ep.py
 
     dp_group, dp_rank = topo.group("dp"), topo.rank("dp")
     # ZeRO-2 over the dp group only: each dp rank takes half of the global batch. The two dp

@@ -115,5 +115,5 @@ def test_sp_arguments_raise_before_any_collective(caplog) -> None:
     with pytest.raises(ValueError, match="must divide the world size"):  # sp 2 on 3 ranks
         ParallelDims.for_world(3, sp=2)
     assert ParallelDims(dp=2, pp=1, sp=2, tp=2, world_size=8).coords(5) == \
-        {"dp": 1, "pp": 0, "sp": 0, "tp": 1}
+        {"dp": 1, "pp": 0, "sp": 0, "tp": 1, "ep": 0, "moe_dp": 1}
     assert not dist.is_initialized()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from fp8boost.plugins.moe_dispatch import EpExperts, gathered_experts, whole_experts
+from fp8boost.parallel.ep import EpExperts, gathered_experts, whole_experts
 
 from . import coordination as coord
 from .atomic import atomic_save_dir, require
