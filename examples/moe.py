@@ -94,10 +94,6 @@ def validate_moe_args(args: argparse.Namespace, world_size: int) -> None:
     if experts is not None and experts % args.ep:
         raise ValueError(f"--ep {args.ep} must divide the model's {experts} experts per layer; "
                          "choose an --ep that divides it")
-    if args.compile:
-        raise ValueError("--compile is not supported with --plugin moe yet (the expert "
-                         "dispatch sizes its all-to-alls on the host, a graph break in every "
-                         "MoE block); drop --compile")
 
 
 def make_plugin(args: argparse.Namespace, fp8_config):

@@ -124,6 +124,11 @@ def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
         tokens_per_s_per_device=tok_s / logger.world_size,
         tflops_per_device=tok_s * logger.flops_per_token / logger.world_size / 1e12,
         wall_time_s=time.perf_counter() - logger.t0)
+    if getattr(args, "compile", False):  # the proof that --compile compiled (dynamo's counters)
+        from torch._dynamo.utils import counters
+
+        summary["compile"] = dict(graphs=int(counters["stats"].get("unique_graphs", 0)),
+                                  graph_breaks=sum(counters["graph_break"].values()))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

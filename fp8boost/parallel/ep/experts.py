@@ -11,6 +11,12 @@ routing ``(top_k_index, top_k_weights)``:
 2. the local experts run on the received rows (each row is one choice, weight 1);
 3. the combine brings the expert outputs back, and each token sums its k outputs weighted by
    its routing weights (as HF's experts module: product, cast, sum over k).
+
+Under ``torch.compile`` (``fp8boost.compile.compile_blocks``) the forward runs eager: the
+all-to-alls size their splits on the host (``plan_splits``), which dynamo cannot trace
+without a graph break anyway, so the block compiles around it (attention, router, norms in
+graphs; the exchange and the local experts, with their fused FP8 cast kernels, eager). One
+deliberate graph break per MoE block (``torch.compiler.disable``).
 """
 from __future__ import annotations
 
@@ -103,6 +109,7 @@ class EpExperts(nn.Module):
         dist.all_gather(parts, p, group=self.ep_group)
         return torch.cat(parts, 0)
 
+    @torch.compiler.disable  # host-sized all-to-alls: eager inside a compiled block
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
