@@ -135,6 +135,17 @@ def projection(e, k, t, n_out, k_in) -> dict:
     res["bf16_wgrad_tflops"] = tf(bench(lambda: torch._grouped_mm(dyb.t(), xb, offs=offs)))
     res["fp8_wgrad_gemm_tflops"] = tf(bench(
         lambda: scaled_mm_wgrad(dyt, dyti, xt, xti, r.offsets, False)))
+    # Fast accumulation in the gradient GEMMs (off by default: Fp8Config.fast_accum_*).
+    res["fp8_wgrad_gemm_fast_tflops"] = tf(bench(
+        lambda: scaled_mm_wgrad(dyt, dyti, xt, xti, r.offsets, True)))
+    dyq, dyi = quantize_tokens(dy, so.grad_dtype, so)
+    wtq, wti = quantize_experts(w, so, transpose=True)
+    dgrad_flops = 2.0 * s * n_out * k_in  # dx = dy . W: the same FLOPs as fprop
+    res["fp8_dgrad_gemm_tflops"] = dgrad_flops / (bench(
+        lambda: scaled_mm(dyq, dyi, wtq, wti, r.offsets, False)) * 1e-3) / 1e12
+    res["fp8_dgrad_gemm_fast_tflops"] = dgrad_flops / (bench(
+        lambda: scaled_mm(dyq, dyi, wtq, wti, r.offsets, True)) * 1e-3) / 1e12
+    res["bf16_dgrad_tflops"] = tf(bench(lambda: torch._grouped_mm(dyb, w, offs=offs)))
     with torch.no_grad():
         res["fp8_fprop_tflops"] = tf(bench(lambda: grouped_linear(x, w, r, opts)))
     wg = w.clone().requires_grad_()
@@ -154,12 +165,21 @@ def projection(e, k, t, n_out, k_in) -> dict:
     for name, backend in (("torch", None), ("triton", "scaled_grouped_mm")):
         for part, ms in cast_times(x, dy, w, r, so, backend).items():
             res[f"casts_{part}_{name}_ms"] = ms
+    # The fused casts' bandwidth: each operand read once (BF16) and every FP8 layout written
+    # once (x: x and x^T; W: one layout per pass), over the time of the fused calls.
+    rows, wn = r.rows, e * n_out * k_in
+    fwd_bytes = rows * k_in * (2 + 1 + 1) + wn * (2 + 1)
+    bwd_bytes = rows * n_out * (2 + 1 + 1) + wn * (2 + 1)
+    for part, nbytes in (("fwd_fused", fwd_bytes), ("bwd_fused", bwd_bytes)):
+        res[f"casts_{part}_triton_gbps"] = nbytes / (res[f"casts_{part}_triton_ms"] * 1e-3) / 1e9
     try:
         res["bf16_train_tflops"] = tf(bench(bf16_train), 3)
     except RuntimeError as exc:  # no autograd formula for _grouped_mm in this torch
         res["bf16_train_tflops"] = None
         res["bf16_train_error"] = str(exc)[:200]
     for a, b in (("fp8_gemm", "bf16"), ("fp8_wgrad_gemm", "bf16_wgrad"),
+                 ("fp8_wgrad_gemm_fast", "bf16_wgrad"), ("fp8_dgrad_gemm", "bf16_dgrad"),
+                 ("fp8_dgrad_gemm_fast", "bf16_dgrad"),
                  ("fp8_fprop", "bf16"), ("fp8_train", "bf16_train"),
                  ("fp8_fprop_torchcast", "bf16"), ("fp8_train_torchcast", "bf16_train")):
         if res.get(f"{b}_tflops"):
@@ -227,6 +247,18 @@ def print_tables(rows: list) -> None:
               f"{r['casts_fwd_torch_ms']:6.3f}/{r['casts_fwd_triton_ms']:6.3f} "
               f"{r['casts_bwd_torch_ms']:6.3f}/{r['casts_bwd_triton_ms']:6.3f} "
               f"{r['casts_fwd_fused_triton_ms']:12.3f}")
+    print(f"\ngradient GEMMs x BF16 (fast accumulation off / on); fused casts GB/s"
+          f"\n{'shape':>14} {'proj':>7} {'T':>6} {'dgrad':>6} {'dg fast':>7} {'wgrad':>6} "
+          f"{'wg fast':>7} | {'fwd GB/s':>8} {'bwd GB/s':>8}")
+    for r in rows:
+        print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} "
+              f"{_x(r, 'fp8_dgrad_gemm_vs_bf16_dgrad'):6.2f} "
+              f"{_x(r, 'fp8_dgrad_gemm_fast_vs_bf16_dgrad'):7.2f} "
+              f"{_x(r, 'fp8_wgrad_gemm_vs_bf16_wgrad'):6.2f} "
+              f"{_x(r, 'fp8_wgrad_gemm_fast_vs_bf16_wgrad'):7.2f} | "
+              f"{_x(r, 'casts_fwd_fused_triton_gbps'):8.0f} "
+              f"{_x(r, 'casts_bwd_fused_triton_gbps'):8.0f}")
+
 
 if __name__ == "__main__":
     main()
