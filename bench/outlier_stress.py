@@ -122,11 +122,12 @@ def _run(recipe: str, gain: float, train, val, args) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def _boosted(recipe: str, args):
+def _boosted(recipe: str, args, fused_lm_loss: bool = True):
     from fp8boost.booster import Booster, MixedPrecision
     from fp8boost.fp8 import Fp8Config
-    mp = MixedPrecision("bf16") if recipe == "bf16" else MixedPrecision(
-        "fp8", Fp8Config.from_recipe(recipe, backend="emulated", min_numel=0))
+    mp = MixedPrecision("bf16", fused_lm_loss=fused_lm_loss) if recipe == "bf16" else \
+        MixedPrecision("fp8", Fp8Config.from_recipe(recipe, backend="emulated", min_numel=0),
+                       fused_lm_loss=fused_lm_loss)
     model = _model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     booster = Booster(mixed_precision=mp, device="cpu")
@@ -141,7 +142,8 @@ def _one_step_errors(recipes: list[str], gains: list[float], train, args) -> lis
     ids = _batch(train, 1, args.batch_size, args.seq_len, 0)
 
     def run(recipe, gain):
-        booster, model, _ = _boosted(recipe, args)
+        # The logits are compared: a training forward with labels must return them.
+        booster, model, _ = _boosted(recipe, args, fused_lm_loss=False)
         inner = booster.plugin.unwrap_model(model)
         _stress(inner, gain)
         out = model(input_ids=ids, labels=ids)

@@ -10,9 +10,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from fp8boost.fp8.config import Fp8Config
+from fp8boost.loss.causal_lm import FusedLmLossConfig, resolve_fused_lm_loss
 from fp8boost.plugins.local_plugin import LocalPlugin  # noqa: F401 - its old home
 from fp8boost.plugins.options import check_fp8_config, check_max_norm, check_precision
 from fp8boost.plugins.precision import MIXED_PRECISIONS
@@ -43,8 +44,14 @@ class MixedPrecision:
     wherever it applies, else the two-pass step without a word; True: a one-time warning says
     why when it cannot apply; False: always the two-pass step."""
 
+    fused_lm_loss: Union[bool, FusedLmLossConfig] = True
+    """Fuse an HF causal LM's lm_head with its loss, without the logits; forwards with labels
+    in training then return ``logits=None`` (``PluginOptions.fused_lm_loss`` says when it
+    applies and why it is on by default)."""
+
     def __post_init__(self) -> None:
         check_precision(self.precision, MIXED_PRECISIONS)
+        resolve_fused_lm_loss(self.fused_lm_loss)  # raises TypeError on anything else
         check_fp8_config(self.fp8_config)
         object.__setattr__(self, "max_norm", check_max_norm(self.max_norm))
         if self.fused_master_step is not None and not isinstance(self.fused_master_step, bool):

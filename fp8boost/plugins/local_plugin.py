@@ -41,7 +41,8 @@ class LocalPlugin(Plugin):
         fp8 = mixed_precision.precision == "fp8"
         super().__init__(precision="bf16" if fp8 else mixed_precision.precision, use_fp8=fp8,
                          fp8_config=mixed_precision.fp8_config,
-                         max_norm=mixed_precision.max_norm)
+                         max_norm=mixed_precision.max_norm,
+                         fused_lm_loss=mixed_precision.fused_lm_loss)
         self.mp = mixed_precision
         self.fused_master_step = mixed_precision.fused_master_step
 

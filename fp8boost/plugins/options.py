@@ -27,9 +27,10 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from fp8boost.fp8.config import Fp8Config
+from fp8boost.loss.causal_lm import FusedLmLossConfig, resolve_fused_lm_loss
 
 from .wrappers import PRECISIONS
 
@@ -138,6 +139,17 @@ class PluginOptions:
     """FP16 dynamic loss scaling: the first scale, in [1, 2**32]."""
     growth_interval: int = 1000
     """FP16 dynamic loss scaling: steps without overflow before the scale grows."""
+    fused_lm_loss: Union[bool, FusedLmLossConfig] = True
+    """Fuse an HF causal LM's ``lm_head`` with its loss (``fp8boost.loss``): chunked linear +
+    cross-entropy, no ``[tokens, vocab]`` logits (at 8192 tokens x 128k vocab: ~10 GB of
+    logits, their FP32 copy and its gradient); the memory buys a larger micro-batch. Same loss
+    as HF (``ForCausalLMLoss``: shift, ignore_index, mean or ``num_items_in_batch``); BF16
+    weight gradients differ by a few ulps (accumulated per chunk). On by default because it
+    applies only where it is exact in meaning: forwards with ``labels`` under autograd, of
+    models whose forward is HF's standard one (checked on its source), in BF16/FP32, not under
+    pipeline stages or Ulysses; everything else runs HF's forward (a one-time INFO line says
+    which, and why). The cost: those forwards return ``logits=None`` (the logits are what is
+    not built); False keeps them. A ``FusedLmLossConfig`` sets the chunk size."""
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -151,6 +163,7 @@ class PluginOptions:
         scale, interval = check_loss_scaling(self.initial_scale, self.growth_interval)
         object.__setattr__(self, "initial_scale", scale)
         object.__setattr__(self, "growth_interval", interval)
+        resolve_fused_lm_loss(self.fused_lm_loss)  # raises TypeError on anything else
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PluginOptions))

@@ -31,3 +31,17 @@ def test_parallel_imports_point_down():
            for path in sorted(PARALLEL.rglob("*.py")) for line, module in _imports(path)
            if module.split(".")[:2] in (["fp8boost", name] for name in ABOVE)]
     assert not bad, "parallel/ imports a layer above it:\n" + "\n".join(bad)
+
+
+LOSS = PARALLEL.parent / "loss"
+
+
+def test_loss_imports_point_down():
+    """``fp8boost/loss/`` (the fused lm_head + loss) sits below ``parallel/``, beside ``fp8/``:
+    ``parallel/tp`` uses it, so it must import nothing from ``parallel/`` or above (it knows
+    distribution only through the process group it is handed)."""
+    assert (LOSS / "linear_cross_entropy.py").exists()
+    bad = [f"{path.relative_to(PARALLEL.parent.parent)}:{line}: {module}"
+           for path in sorted(LOSS.rglob("*.py")) for line, module in _imports(path)
+           if module.split(".")[:2] in (["fp8boost", name] for name in ABOVE + ("parallel",))]
+    assert not bad, "loss/ imports a layer above it:\n" + "\n".join(bad)

@@ -144,7 +144,7 @@ def _parallel_lm_head(model: nn.Module, head: nn.Module, group, sp: bool, n: int
     head.register_forward_pre_hook(lambda m, args: (enter(args[0]),) + tuple(args[1:]))
     start = r * local
     if hasattr(type(model), "loss_function"):  # HF: the loss sees vocabulary-parallel logits
-        model.loss_function = HfVocabParallelLoss(group, start)
+        model.loss_function = HfVocabParallelLoss(group, start, head_input=enter)
     return start
 
 

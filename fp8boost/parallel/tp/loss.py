@@ -7,11 +7,13 @@ of exponentials), as Megatron-LM's ``vocab_parallel_cross_entropy`` does; the gr
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from fp8boost.loss import VocabParallel
 
 __all__ = ["vocab_parallel_cross_entropy", "HfVocabParallelLoss"]
 
@@ -74,10 +76,17 @@ class HfVocabParallelLoss:
     Same contract as ``transformers``' ``ForCausalLMLoss``: labels are shifted by one (unless
     ``shift_labels`` is given), ``ignore_index`` tokens are skipped, and the result is the mean
     over counted tokens, or their sum divided by ``num_items_in_batch`` when given.
+
+    ``vocab_parallel`` describes the split lm_head (group, first id, the collective its input
+    goes through: ``head_input``), so that ``fp8boost.loss`` can fuse the head with this loss
+    without the logits (``install_fused_lm_loss``).
     """
 
-    def __init__(self, group, vocab_start: int) -> None:
+    def __init__(self, group, vocab_start: int,
+                 head_input: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self.group, self.vocab_start = group, vocab_start
+        self.vocab_parallel = VocabParallel(group=group, vocab_start=vocab_start,
+                                            head_input=head_input)
 
     def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_size: int = 0,
                  num_items_in_batch=None, ignore_index: int = -100,
