@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("accelerator", "booster", "cluster", "initialize", "lazy", "logging", "nn",
-               "pipeline", "quantization", "shardformer", "utils")
+_SUBMODULES = ("accelerator", "booster", "checkpoint_io", "cluster", "initialize", "interface",
+               "lazy", "logging", "nn", "pipeline", "quantization", "shardformer", "utils")
 _INITIALIZE = ("launch", "launch_from_torch")
 
 __all__ = [*_INITIALIZE, *_SUBMODULES]

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ContextManager, Optional, Protocol, runti
 
 import torch
 
+from .optimizer_surface import OptimizerSurface
+
 if TYPE_CHECKING:  # annotations only: importing zero/ here would be circular
     from fp8boost.parallel.nonfinite import NonFiniteGuard
     from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
@@ -109,9 +111,10 @@ class ShardedCheckpointState(Protocol):
         """Inverse of :meth:`checkpoint_state` (pieces already cut to this rank's ranges)."""
 
 
-class OptimizerProxy:
+class OptimizerProxy(OptimizerSurface):
     """Base of the boosted optimizers: the ``torch.optim`` surface of a wrapped ``self.optim``
-    and the defaults of the :class:`BoostedOptimizer` members a wrapper may have no use for."""
+    (torch's and Colossal-AI's methods: :class:`~.optimizer_surface.OptimizerSurface`) and the
+    defaults of the :class:`BoostedOptimizer` members a wrapper may have no use for."""
 
     optim: torch.optim.Optimizer
 
@@ -132,14 +135,24 @@ class OptimizerProxy:
     def defaults(self) -> dict:
         return self.optim.defaults
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, *,
+                 inputs: Optional[Any] = None) -> None:
         """``loss.backward()``, after the non-finite guard has seen the loss and scaled by the
-        fp16 loss scaler (if any)."""
+        fp16 loss scaler (if any). ``inputs`` (keyword): accumulate into these tensors only,
+        as torch's ``inputs=``.
+
+        Raises:
+            TypeError: ``retain_graph`` is not a bool (Colossal-AI's order is ``(loss, inputs,
+                retain_graph)``: pass ``inputs=`` by keyword).
+        """
+        if not isinstance(retain_graph, bool):
+            raise TypeError(f"backward(loss, retain_graph): retain_graph must be a bool, got "
+                            f"{type(retain_graph).__name__}; pass inputs=... by keyword")
         if self.nonfinite_guard is not None:
             self.nonfinite_guard.observe_loss(loss)
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        loss.backward(retain_graph=retain_graph)
+        loss.backward(retain_graph=retain_graph, inputs=inputs)
 
     def exact_working_params(self) -> dict[int, torch.Tensor]:
         """None of the working parameters is a lossy copy: nothing to substitute."""

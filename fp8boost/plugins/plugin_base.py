@@ -233,7 +233,7 @@ class Plugin(ABC):
 
         The steps, in this order (each a method below): ``validate`` (before any collective)
         -> ``setup_distributed`` -> ``build_model`` (move, cast; materialize) -> ``convert_fp8``
-        -> ``parallelize`` (broadcast, shard, split) -> ``wrap_optimizer`` ->
+        -> ``parallelize`` (broadcast, shard, split) -> ``fuse_lm_loss`` -> ``wrap_optimizer`` ->
         ``bind_checkpoint_io``; then the model is wrapped and the dataloader sharded over dp.
         """
         check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
@@ -243,10 +243,14 @@ class Plugin(ABC):
         self.build_model(model, optimizer, device)
         self.fp8_report = self.convert_fp8(model)
         module = self.parallelize(model, device)
+        self.fuse_lm_loss(model)
         opt = self.wrap_optimizer(model, optimizer, device) if optimizer is not None else None
         self.bind_checkpoint_io(model, opt)
         wrapped = self.wrap_model(module, opt)
         wrapped.boosted_optimizers = [opt] if opt is not None else []
+        wrapped.boosted_by = type(self)
+        if opt is not None:
+            opt.bind_model(wrapped)  # the optimizer's unwrap_model()
         loader = shard_dataloader(dataloader, self.dp_size, self.dp_rank)
         return wrapped, opt, criterion, loader, lr_scheduler
 
@@ -281,6 +285,18 @@ class Plugin(ABC):
         """Step 5: make the replicas equal and shard or split ``model`` (in place); returns
         the module to wrap (e.g. a ``DistributedDataParallel``). Default: one process."""
         return model
+
+    def fuse_lm_loss(self, model: nn.Module) -> Optional[str]:
+        """Step 5b: an HF causal LM's ``lm_head`` and loss fused, without the logits
+        (``fused_lm_loss``; ``fp8boost.loss.install_fused_lm_loss``), decided once, after the
+        split (a vocabulary-parallel ``lm_head`` is fused with its tp loss). Returns why not,
+        or None when fused. Pipeline stages keep HF's path: the last stage's loss is computed
+        from its logits by ``parallel/pipeline``."""
+        from fp8boost.loss import install_fused_lm_loss
+
+        blocked = "pipeline stages compute the loss from the last stage's logits" \
+            if self.pp_size > 1 else None
+        return install_fused_lm_loss(model, self.fused_lm_loss, blocked_by=blocked)
 
     def wrap_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        device: torch.device):

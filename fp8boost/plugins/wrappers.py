@@ -2,7 +2,8 @@
 
 ``ModelWrapper`` casts floating-point inputs to the training dtype (so an FP32 batch can feed a
 BF16 model) and gives ``unwrap()``; attribute lookups it does not know fall through to the
-user's model, so ``model.config`` and friends keep working.
+user's model, so ``model.config`` and friends keep working. ``load_state_dict`` also refreshes
+the master weights of the optimizers boosted with it.
 
 ``OptimizerWrapper`` is the thin wrapper used where no master weights are needed (FP32
 training): it adds ``backward``, ``clip_grad_norm_``, optional clipping in ``step`` and the
@@ -86,7 +87,9 @@ class ModelWrapper(nn.Module):
         boosted_optimizers: the optimizers ``boost`` built over this model's parameters, held
             here so that checkpoint IO can take their exact weights when it saves the model
             (``Plugin.exact_weights``) and refresh their masters when it loads it
-            (``Plugin.after_load_model``).
+            (``Plugin.after_load_model``, and :meth:`load_state_dict`).
+        boosted_by: the class of the plugin whose ``boost`` built this wrapper (None when
+            built by hand).
     """
 
     def __init__(self, module: nn.Module, input_dtype: Optional[torch.dtype] = None) -> None:
@@ -95,24 +98,60 @@ class ModelWrapper(nn.Module):
         self.input_dtype = input_dtype
         # Set by the plugin's configure, once the optimizer over these parameters exists.
         self.boosted_optimizers: list[BoostedOptimizer] = []
+        self.boosted_by: Optional[type] = None
 
     def forward(self, *args, **kwargs):
         if self.input_dtype is not None and self.input_dtype != torch.float32:
             args, kwargs = cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
         return self.module(*args, **kwargs)
 
-    def unwrap(self) -> nn.Module:
-        """The user's own model object (its state_dict keys have no wrapper prefix)."""
+    def unwrap(self, unwrap_peft: bool = False) -> nn.Module:
+        """The user's own model object (its state_dict keys have no wrapper prefix).
+
+        Args:
+            unwrap_peft: Colossal-AI's flag (default True there, where a peft model comes back
+                as a checkpoint view of its base model). Here the model is returned as given
+                to ``boost``; True is refused for a peft model, naming what to call instead.
+
+        Raises:
+            ValueError: ``unwrap_peft=True`` and the model is a peft ``PeftModel``.
+        """
         m = self.module
         while isinstance(m, (ModelWrapper, DDP)):
             m = m.module
+        if unwrap_peft and hasattr(m, "get_base_model") and hasattr(m, "peft_config"):
+            raise ValueError("unwrap(unwrap_peft=True): fp8boost returns the peft model itself; "
+                             "call unwrap().get_base_model() for the base model, or "
+                             "booster.save_lora_as_pretrained(model, dir) to save the adapters")
         return m
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` (keys as :meth:`state_dict` writes them, with the
+        wrapper's ``module.`` prefix), then the boosted optimizers' master weights are
+        re-read from the loaded parameters, so the next step trains from them.
+
+        Raises:
+            ValueError: ``assign=True`` while optimizers hold these parameters (the new
+                tensors would not be the ones they step).
+        """
+        if assign and self.boosted_optimizers:
+            raise ValueError("load_state_dict(assign=True) would replace the parameters the "
+                             "boosted optimizer steps; load with assign=False")
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.update_master_params()
+        return result
+
+    def update_master_params(self) -> None:
+        """Re-read the boosted optimizers' master weights from the parameters (after they
+        were written by hand; Colossal-AI's name)."""
+        for opt in self.boosted_optimizers:
+            opt.sync_master_from_model()
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "input_dtype", "boosted_optimizers"):
+            if name in ("module", "input_dtype", "boosted_optimizers", "boosted_by"):
                 raise
             return getattr(self.unwrap(), name)
 
@@ -140,9 +179,10 @@ class OptimizerWrapper(DirectOptimizerProxy):
         yield  # gradient sync (if any) belongs to the model wrapper (DDP)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        if self.guard_skips_step():
-            return torch.tensor(float("inf"))
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+        norm = torch.tensor(float("inf")) if self.guard_skips_step() else \
+            torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+        self.record_grad_norm(norm, norm_type)
+        return norm
 
     def step(self, closure=None):
         if self.guard_skips_step():  # the same verdict on every rank: nobody steps

@@ -3,7 +3,8 @@
 ``get_accelerator()`` returns a ``CudaAccelerator`` when CUDA is available, else a
 ``CpuAccelerator``; both answer Colossal-AI's accelerator methods by delegating to
 ``torch.cuda`` (CUDA) or doing the CPU equivalent (CPU: memory counters read 0, synchronize
-and empty_cache do nothing).
+and empty_cache do nothing; what only CUDA has, the compute capability and streams, raises a
+``RuntimeError`` saying so).
 
 Example:
     >>> from fp8boost.colossal.accelerator import get_accelerator
@@ -77,6 +78,26 @@ class BaseAccelerator:
     def device_count(self) -> int:
         return 1
 
+    def get_device_capability(self, device: Any = None) -> tuple[int, int]:
+        """The CUDA compute capability ``(major, minor)``; the CPU has none.
+
+        Raises:
+            RuntimeError: on the CPU accelerator (check ``name == "cuda"`` first).
+        """
+        raise RuntimeError(f"the {self._name} accelerator has no CUDA compute capability; check "
+                           "get_accelerator().name == 'cuda' before asking for it")
+
+    # --- streams (CUDA only)
+    def current_stream(self, device: Any = None) -> Any:
+        """The stream kernels are queued on (CUDA)."""
+        raise RuntimeError(f"the {self._name} accelerator has no streams; check "
+                           "get_accelerator().name == 'cuda' first")
+
+    def stream(self, stream_: Any) -> Any:
+        """A context manager making ``stream_`` current (CUDA)."""
+        raise RuntimeError(f"the {self._name} accelerator has no streams; check "
+                           "get_accelerator().name == 'cuda' first")
+
     # --- random numbers
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -114,6 +135,12 @@ class BaseAccelerator:
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         """Restart the peak counters."""
+
+    def reset_max_memory_allocated(self, device: Any = None) -> None:
+        """Restart the peak of allocated memory."""
+
+    def reset_max_memory_cached(self, device: Any = None) -> None:
+        """Restart the peak of memory held by the caching allocator."""
 
     def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
         return ""
@@ -163,6 +190,15 @@ class CudaAccelerator(BaseAccelerator):
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
+    def get_device_capability(self, device: Any = None) -> tuple[int, int]:
+        return torch.cuda.get_device_capability(device)
+
+    def current_stream(self, device: Any = None) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream_: Any) -> Any:
+        return torch.cuda.stream(stream_)
+
     def manual_seed(self, seed: int) -> None:
         torch.cuda.manual_seed(seed)
 
@@ -198,6 +234,12 @@ class CudaAccelerator(BaseAccelerator):
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
+
+    def reset_max_memory_allocated(self, device: Any = None) -> None:
+        torch.cuda.reset_max_memory_allocated(device)
+
+    def reset_max_memory_cached(self, device: Any = None) -> None:
+        torch.cuda.reset_max_memory_cached(device)
 
     def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
         return torch.cuda.memory_summary(device, abbreviated)

@@ -106,9 +106,21 @@ class FsdpOptimizer(DirectOptimizerProxy):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards (DTensor gradients); returns the norm before."""
         if not self._unscale() or self.guard_skips_step():
-            return torch.tensor(math.inf)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            norm = torch.tensor(math.inf)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.record_grad_norm(norm, norm_type)
+        return norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the (unscaled) local gradient shards: the bound is elementwise, so each rank
+        clamps its own shard."""
+        if not self._unscale():
+            return  # fp16 overflow: the step skips these gradients anyway
+        for g in self._grads():
+            local = g._local_tensor if hasattr(g, "_local_tensor") else g
+            local.clamp_(-clip_value, clip_value)
 
     def step(self, closure=None) -> None:
         ok = self._unscale()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from fp8boost import _state
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy
 
+from .full_state import full_state_dict, load_full_state_dict
 from .loss_scaler import DynamicLossScaler
 from .sharding import ParamShard, make_shard
 
@@ -129,9 +130,17 @@ class MasterWeightOptimizer(OptimizerProxy):
         resolved to)."""
         return self._fused
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, *,
+                 inputs=None) -> None:
         """``loss.backward()`` with loss scaling, then finish this backward's gradient reduction."""
-        super().backward(loss, retain_graph)
+        super().backward(loss, retain_graph, inputs=inputs)
+        self._after_backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, inputs=None,
+                         retain_graph: bool = False) -> None:
+        """``torch.autograd.backward(tensor, grad)`` (loss-scaled), then finish this backward's
+        gradient reduction."""
+        super().backward_by_grad(tensor, grad, inputs, retain_graph)
         self._after_backward()
 
     @contextlib.contextmanager
@@ -157,11 +166,13 @@ class MasterWeightOptimizer(OptimizerProxy):
         """
         self._prepare_grads()
         if self._found_inf:
+            self.record_grad_norm(torch.tensor(float("inf")), norm_type)
             return torch.tensor(float("inf"))
         # The fused step keeps the coefficient aside (its BF16 gradients are scaled in FP32
         # inside the update), so the gradients to measure are the raw ones times it: a second
         # call then sees what the first one left, as with the scaled FP32 copies.
         total = self._global_norm(norm_type) * self._grad_mul
+        self.record_grad_norm(torch.tensor(total), norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0 and self._fused:
             self._grad_mul *= coef
@@ -309,6 +320,73 @@ class MasterWeightOptimizer(OptimizerProxy):
         for group in self._norm_groups():
             dist.all_reduce(local, op=op, group=group)
         return float(local) if inf else float(local) ** (1.0 / norm_type)
+
+    # ------------------------------------------------- torch's and Colossal-AI's surface
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the (unscaled, averaged) gradient chunks the next step takes."""
+        self._prepare_grads()
+        if self._found_inf:
+            return  # the step skips these gradients anyway
+        bound = clip_value / self._grad_mul  # the fused step applies _grad_mul later
+        for g in self._grad_shards:
+            if g is not None:
+                g.clamp_(-bound, bound)
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Whether each rank keeps only its chunk of every reduced gradient (ZeRO-2)."""
+        return False
+
+    def get_param_grad(self, working_param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The full reduced gradient of a model parameter, in its dtype (None if none).
+
+        Collective under ZeRO-2 (the chunks are gathered): every rank calls it for the same
+        parameters. See :meth:`OptimizerSurface.get_param_grad`.
+        """
+        i = self.param_index(working_param)
+        if not self.grads_sharded:
+            return working_param.grad
+        chunk = self._grad_shards[i]
+        if chunk is None:  # every rank alike: the same buckets reduced on all of them
+            return None
+        return self.full_tensor(chunk, i).to(working_param.dtype)
+
+    @property
+    def working_to_master_param(self) -> dict[int, torch.Tensor]:
+        """``{id(model parameter): this rank's FP32 master chunk}`` (Colossal-AI's map; the
+        chunk is the zero-padded piece ``[shard_rank]`` of ``shard_world_size``)."""
+        return {id(p): m for p, m in zip(self.params, self.masters)}
+
+    @property
+    def master_to_working_param(self) -> dict[int, torch.Tensor]:
+        """``{id(master chunk): model parameter}``, the inverse of
+        :attr:`working_to_master_param`."""
+        return {id(m): p for p, m in zip(self.params, self.masters)}
+
+    def get_param_padding_size(self, working_param: torch.Tensor) -> int:
+        """Zeros appended to the flattened parameter so it splits into equal chunks."""
+        s = self.shards[self.param_index(working_param)]
+        return s.chunk * self.world - s.numel
+
+    def full_tensor(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        """A copy of the parameter-shaped tensor whose piece ``chunk`` this rank holds (a
+        master, a state tensor or a gradient chunk of parameter ``index``), gathered over
+        the shard ranks (collective; exact, never on the FP8 wire)."""
+        s = self.shards[index]
+        full = self._full_chunk(chunk.to(self.params[index].device), s)
+        return full[: s.numel].view(s.shape).clone()
+
+    def state_dict(self) -> dict:
+        """torch's layout at full parameter shapes, plus each FP32 ``master_param``
+        (collective over the shard ranks; see :mod:`.full_state`)."""
+        return full_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`'s layout saved at any data-parallel size (or a plain
+        torch optimizer's: masters then keep their values); loaded masters are written into
+        the working parameters, exactly as after a step."""
+        if load_full_state_dict(self, state_dict):
+            self._publish()
 
     # ---------------------------------------------------------------------------- checkpoints
     def sync_master_from_model(self) -> None:

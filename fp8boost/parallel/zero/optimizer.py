@@ -177,6 +177,22 @@ class ZeroOptimizer(MasterWeightOptimizer):
         super().zero_grad(set_to_none)
         self._unsynced_grads = False
 
+    @property
+    def grads_sharded(self) -> bool:
+        """ZeRO-2 over several ranks: each keeps only its reduce-scattered gradient chunks."""
+        return self.stage == 2 and self.world > 1
+
+    def get_param_grad(self, working_param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The full reduced gradient (see ``MasterWeightOptimizer.get_param_grad``).
+
+        Raises:
+            RuntimeError: gradients accumulated under ``no_sync()`` are not reduced yet.
+        """
+        if self._unsynced_grads:
+            raise RuntimeError("get_param_grad: the gradients accumulated under no_sync() are "
+                               "not reduced yet; run a backward outside no_sync() first")
+        return super().get_param_grad(working_param)
+
     # --------------------------------------------------- the data-parallel layer's hooks
     def _after_backward(self) -> None:
         if self._sync and self._reducer is not None:

@@ -1,0 +1,42 @@
+"""``colossalai.booster.booster``: the ``Booster`` with Colossal-AI's order and defaults.
+
+``Booster`` keeps Colossal-AI's positional order ``(device, mixed_precision, plugin)``
+(fp8boost's own is ``(plugin, mixed_precision, device)``); keyword calls are the same, and so
+are Colossal-AI's defaults where fp8boost's differ: ``save_model`` writes one file unless asked
+to shard (``shard=False``; fp8boost's own Booster shards by default, into the folder
+``from_pretrained`` loads). ``booster.checkpoint_io`` is the plugin's checkpoint IO with
+Colossal-AI's method signatures (:class:`fp8boost.colossal.checkpoint_io.GeneralCheckpointIO`).
+
+Example:
+    >>> from fp8boost.colossal.booster.booster import Booster
+    >>> booster = Booster(device="cpu")
+    >>> booster.checkpoint_io._sync_io()  # saves are synchronous: nothing is pending
+"""
+from __future__ import annotations
+
+from fp8boost import booster as _booster
+from fp8boost.colossal.positional import with_colossal_order
+from fp8boost.plugins import Plugin
+
+__all__ = ["Booster", "Plugin"]
+
+_Ordered = with_colossal_order(_booster.Booster, ("device", "mixed_precision", "plugin"))
+
+
+class Booster(_Ordered):
+    """fp8boost's :class:`~fp8boost.booster.Booster` with Colossal-AI's order and defaults."""
+
+    def save_model(self, model, checkpoint=None, shard: bool = False, *args, **kwargs) -> None:
+        """:meth:`fp8boost.booster.Booster.save_model` with Colossal-AI's default
+        ``shard=False``: ``save_model(model, "model.pt")`` writes that one file."""
+        return super().save_model(model, checkpoint, shard, *args, **kwargs)
+
+    @property
+    def checkpoint_io(self):
+        """The plugin's checkpoint IO with Colossal-AI's signatures (``save_model(model,
+        checkpoint, shard, ...)``, ``_sync_d2h()``, ``_sync_io()``, ...)."""
+        from fp8boost.colossal.checkpoint_io import GeneralCheckpointIO
+        return GeneralCheckpointIO(plugin=self.plugin)
+
+
+Booster.__module__ = __name__
