@@ -66,8 +66,10 @@ class BoostedOptimizer(Protocol):
     def defaults(self) -> dict:
         """The wrapped optimizer's defaults."""
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss.backward()`` plus what the wrapper needs (loss scaling, gradient reduction)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, *,
+                 inputs: Optional[Any] = None) -> None:
+        """``loss.backward()`` plus what the wrapper needs (loss scaling, gradient reduction);
+        ``inputs`` as torch's (Colossal-AI's ``OptimizerWrapper.backward`` takes it too)."""
 
     def step(self, closure: Any = None) -> Any:
         """One optimizer step (skipped on every rank alike on overflow / non-finite values)."""
