@@ -397,3 +397,29 @@ def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(mon
     finally:
         _state.reset()
         tuning.set_autotune(autotune)
+
+
+def test_precision_timing_failure_warns_and_keeps_fp8(monkeypatch):
+    """Every candidate failing to run (e.g. out of memory) must not break conversion: FP8,
+    with a warning naming the cause."""
+    from fp8boost import _state
+    from fp8boost.fp8.kernels import tuning
+    from fp8boost.fp8.moe import choice
+    from fp8boost.fp8.moe import experts as experts_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated out of memory")
+
+    monkeypatch.setenv("FP8BOOST_AUTOTUNE_CACHE", "0")
+    monkeypatch.setattr(experts_mod, "forward_with", broken)
+    autotune = _state.setting(tuning._AUTOTUNE)
+    tuning.set_autotune(True)
+    _state.reset()
+    try:
+        hf = tiny("mixtral").model.layers[0].mlp.experts
+        fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="emulated"))
+        with pytest.warns(UserWarning, match="simulated out of memory.*train in fp8"):
+            assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm") == "fp8"
+    finally:
+        _state.reset()
+        tuning.set_autotune(autotune)

@@ -84,10 +84,12 @@ def choose(experts: "Fp8Experts", device: torch.device, backend: str) -> str:
     try:
         run = _timed_step(experts, device, k)
         choice = _CACHE.pick(key, cands, run)
-    except torch.cuda.OutOfMemoryError:
-        _state.warn_once(("moe-precision-oom", key),
-                         f"fp8boost: no memory to time the FP8 experts' precision at {key}; "
-                         "they train in FP8")
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory in every candidate
+        cause = exc.__cause__ or exc
+        _state.warn_once(("moe-precision-failed", key),
+                         f"fp8boost: could not time the experts' precision at {key} "
+                         f"({type(cause).__name__}: {str(cause)[:200]}); they train in "
+                         f"{cands[0]}")
         return cands[0]
     _report(key, choice, _CACHE.timings.get(key), device)
     return choice
