@@ -157,12 +157,21 @@ def all_to_all_single_fp8(output: torch.Tensor, input: torch.Tensor,
     return _handle(work, async_op)
 
 
-def _check_list(tensors: Any, name: str, ws: int) -> list[torch.Tensor]:
+def _check_list(tensors: Any, name: str, ws: int,
+                like: Optional[tuple[torch.Tensor, str]] = None) -> list[torch.Tensor]:
+    """One floating tensor per rank; with ``like=(ref, ref_name)``, each of ``ref``'s size."""
     if not isinstance(tensors, (list, tuple)) or len(tensors) != ws:
         got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
         raise ValueError(f"{name} must be a list of one tensor per rank ({ws}), got {got}")
     for i, t in enumerate(tensors):
         check_floating(t, f"{name}[{i}]")
+    if like is not None:
+        ref, ref_name = like
+        bad = [i for i, t in enumerate(tensors) if t.numel() != ref.numel()]
+        if bad:
+            raise ValueError(f"{name}[{bad[0]}] has {tensors[bad[0]].numel()} elements, "
+                             f"{ref_name} {ref.numel()}: every {name.split('_')[0]} must "
+                             f"match the {ref_name.rstrip('_')}'s size")
     return list(tensors)
 
 
@@ -224,11 +233,7 @@ def all_gather_fp8(output_list: list, input_: torch.Tensor, group=None,
     """
     ws, _ = _world(group)
     check_floating(input_, "input_")
-    outs = _check_list(output_list, "output_list", ws)
-    bad = [i for i, o in enumerate(outs) if o.numel() != input_.numel()]
-    if bad:
-        raise ValueError(f"output_list[{bad[0]}] has {outs[bad[0]].numel()} elements, input_ "
-                         f"{input_.numel()}: every output must match the input's size")
+    outs = _check_list(output_list, "output_list", ws, like=(input_, "input_"))
     flat = torch.empty(ws * input_.numel(), dtype=outs[0].dtype, device=input_.device)
     work = _gather_into(flat, input_, group, fp8_dtype=fp8_dtype_of(fp8_format),
                         async_op=async_op, config=comm_config())
@@ -289,11 +294,7 @@ def reduce_scatter_fp8(output: torch.Tensor, input_list: list, group,
     """
     ws, _ = _world(group)
     check_floating(output, "output")
-    ins = _check_list(input_list, "input_list", ws)
-    bad = [i for i, t in enumerate(ins) if t.numel() != output.numel()]
-    if bad:
-        raise ValueError(f"input_list[{bad[0]}] has {ins[bad[0]].numel()} elements, output "
-                         f"{output.numel()}: every input must match the output's size")
+    ins = _check_list(input_list, "input_list", ws, like=(output, "output"))
     flat = torch.cat([t.reshape(-1).to(output.dtype) for t in ins])
     work = _reduce_scatter(output, flat, group, op="sum", fp8_dtype=fp8_dtype_of(fp8_format),
                            async_op=async_op, config=comm_config())
