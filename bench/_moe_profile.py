@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-_CAST = re.compile(r"^_(cast|amax|row_amax|cast_rows|quantize_rows|transpose|dequant|group_)"
-                   r"\w*kernel|^triton_\w*(amax|clamp)")
+_CAST = re.compile(r"^_(cast|amax|row_amax|cast_rows|quantize_rows|rows|transpose|dequant|group_|"
+                   r"seg_)\w*kernel|^triton_\w*(amax|clamp)")
 _PERM = re.compile(r"sort|index|gather|scatter|repeat_interleave|histc|bincount|cumsum")
 _PERM_OPS = ("aten::sort", "aten::argsort", "aten::index", "aten::index_copy",
              "aten::index_select", "aten::gather", "aten::scatter", "aten::repeat_interleave",
@@ -57,8 +57,10 @@ def classify(kernel: str, chain: list) -> str:
                 return "expert_fprop"
             dims = [len(s) for s in (e.input_shapes or [])[:2]]
             return "expert_wgrad" if dims == [2, 2] else "expert_dgrad"
-    # The torch-op casts' per-(expert, column) amax is the only scatter_reduce of a step.
-    if _CAST.search(low) or any(n.startswith("aten::scatter_reduce") for n in names):
+    # The torch-op casts' per-(expert, column) amax is the only scatter_reduce of a step; the
+    # fused casts run as fp8boost::moe_cast_* ops (their buffer fills included).
+    if (_CAST.search(low) or any(n.startswith(("aten::scatter_reduce", "fp8boost::moe_cast"))
+                                 for n in names)):
         return "fp8_cast"
     if _ATTN.search(low):
         return "attention"

@@ -75,19 +75,19 @@ def cast_times(x, dy, w, r, so, backend) -> dict:
     def fwd():
         Q.quantize_tokens(x, so.fwd_dtype, so, backend=b)
         Q.quantize_experts(w, so, backend=b)
-        Q.quantize_groups_t(x, r.group, e, so.fwd_dtype, so, backend=b)
+        Q.quantize_groups_t(x, r.group, e, so.fwd_dtype, so, backend=b, offsets=r.offsets)
 
     def bwd():
         Q.quantize_tokens(dy, so.grad_dtype, so, backend=b)
         Q.quantize_experts(w, so, transpose=True, backend=b)
-        Q.quantize_groups_t(dy, r.group, e, so.grad_dtype, so, backend=b)
+        Q.quantize_groups_t(dy, r.group, e, so.grad_dtype, so, backend=b, offsets=r.offsets)
 
     def fwd_fused():  # x and x^T in one call: what grouped_linear could use
-        Q.quantize_tokens_and_groups_t(x, r.group, e, so.fwd_dtype, so, backend=b)
+        Q.quantize_tokens_and_groups_t(x, r.group, e, so.fwd_dtype, so, backend=b, offsets=r.offsets)
         Q.quantize_experts(w, so, backend=b)
 
     def bwd_fused():
-        Q.quantize_tokens_and_groups_t(dy, r.group, e, so.grad_dtype, so, backend=b)
+        Q.quantize_tokens_and_groups_t(dy, r.group, e, so.grad_dtype, so, backend=b, offsets=r.offsets)
         Q.quantize_experts(w, so, transpose=True, backend=b)
 
     return {"fwd": bench(fwd), "bwd": bench(bwd), "fwd_fused": bench(fwd_fused),

@@ -93,18 +93,23 @@ def mc():
 
 
 def _check_groups(mc, r, x, dtype, margin, p2, what):
+    """Both kernel layouts (tiled: no offsets; segmented: the routing's offsets) against the
+    reference, bit for bit; returns the segmented ``(data_t, inv_t)``."""
     so = Q.ScaleOptions(dtype, dtype, margin, p2)
     kw = dict(margin=margin, power_of_2=p2)
     assert mc.supports(x, dtype, group=r.group, **kw)
-    (data, inv), (data_t, inv_t) = mc.quantize_groups_t(x, r.group, r.num_experts, dtype,
-                                                         rows=True, **kw)
     ref_t, ref_it = Q.quantize_groups_t(x, r.group, r.num_experts, dtype, so)
     ref, ref_i = Q.quantize_tokens(x, dtype, so)
-    for got, want, side in ((data_t, ref_t, "data_t"), (inv_t, ref_it, "inv_t"),
-                            (data, ref, "rows"), (inv, ref_i, "rows inv")):
-        assert_same(got, want, f"{what} {side} {dtype} margin={margin} p2={p2}")
-    _, (alone_t, alone_it) = mc.quantize_groups_t(x, r.group, r.num_experts, dtype, **kw)
-    assert torch.equal(_canon(alone_t), _canon(data_t)), what
+    for offsets in (None, r.offsets):
+        how = "tiled" if offsets is None else "segmented"
+        (data, inv), (data_t, inv_t) = mc.quantize_groups_t(
+            x, r.group, r.num_experts, dtype, rows=True, offsets=offsets, **kw)
+        for got, want, side in ((data_t, ref_t, "data_t"), (inv_t, ref_it, "inv_t"),
+                                (data, ref, "rows"), (inv, ref_i, "rows inv")):
+            assert_same(got, want, f"{what} {how} {side} {dtype} margin={margin} p2={p2}")
+        _, (alone_t, alone_it) = mc.quantize_groups_t(x, r.group, r.num_experts, dtype,
+                                                      offsets=offsets, **kw)
+        assert torch.equal(_canon(alone_t), _canon(data_t)), (what, how)
     return data_t, inv_t
 
 
@@ -188,8 +193,13 @@ class TestInterpreter:
                  lambda b: Q.quantize_experts(w, so, backend=b),
                  lambda b: Q.quantize_experts(w, so, transpose=True, backend=b),
                  lambda b: Q.quantize_groups_t(x, r.group, 4, E4M3, so, backend=b),
+                 lambda b: Q.quantize_groups_t(x, r.group, 4, E4M3, so, backend=b,
+                                               offsets=r.offsets),
                  lambda b: sum(Q.quantize_tokens_and_groups_t(x, r.group, 4, E4M3, so,
-                                                              backend=b), ())]
+                                                              backend=b), ()),
+                 lambda b: sum(Q.quantize_tokens_and_groups_t(x, r.group, 4, E4M3, so,
+                                                              backend=b, offsets=r.offsets),
+                               ())]
         for i, fn in enumerate(calls):
             for got, ref in zip(fn(GPU_BACKEND), fn(None), strict=True):
                 assert_same(got, ref, f"dispatch {i}")
@@ -243,6 +253,28 @@ class TestInterpreter:
         ref = Q.quantize_experts(w, so, transpose=True)
         assert_same(cq[0], ref[0], "spanning")
         assert_same(cq[1], ref[1], "spanning inv")
+
+    @pytest.mark.parametrize("per_sm", [1, 64])
+    def test_segmented_row_slices(self, mc, per_sm, monkeypatch):
+        # Many programs per SM split each segment's rows into slices whose column maxima meet
+        # by atomic max: the same bytes as one program per segment (and as the reference).
+        from fp8boost.fp8.kernels import moe_seg_cast
+
+        monkeypatch.setattr(moe_seg_cast, "_INTERP_SEG", (16, 32, 1, per_sm))
+        r, x = routed_input(60, 2, 3, 40, seed=9)
+        for dtype, margin, p2 in SCALINGS[:2]:
+            _check_groups(mc, r, x, dtype, margin, p2, f"per_sm={per_sm}")
+        w = expert_weights(3, 50, 40, seed=10)
+        so = Q.ScaleOptions()
+        _, cq = mc.quantize_experts(w, E4M3, rows=False, cols=True)
+        ref = Q.quantize_experts(w, so, transpose=True)
+        assert_same(cq[0], ref[0], f"experts per_sm={per_sm}")
+        assert_same(cq[1], ref[1], f"experts inv per_sm={per_sm}")
+
+    def test_segmented_offsets_checked(self, mc):
+        r, x = routed_input(16, 2, 4, 32, seed=11)
+        with pytest.raises(ValueError, match="end offsets"):
+            mc.quantize_groups_t(x, r.group, 4, E4M3, offsets=r.offsets[:3])
 
 
 def test_supports_and_dispatch_on_cpu():
@@ -352,6 +384,8 @@ def test_cuda_path_matches_reference(shape, monkeypatch):
             pairs = [(lambda b: Q.quantize_tokens(x, dtype, so, backend=b), "tokens"),
                      (lambda b: Q.quantize_groups_t(x, r.group, e, dtype, so, backend=b),
                       "groups_t"),
+                     (lambda b: Q.quantize_groups_t(x, r.group, e, dtype, so, backend=b,
+                                                    offsets=r.offsets), "groups_t segmented"),
                      (lambda b: Q.quantize_experts(w, so, backend=b), "experts"),
                      (lambda b: Q.quantize_experts(w, so, transpose=True, backend=b),
                       "experts^T")]
@@ -362,9 +396,11 @@ def test_cuda_path_matches_reference(shape, monkeypatch):
                 # The path taken, not only the numbers: one kernel call under the GPU backend,
                 # none for the reference (backend=None).
                 assert sum(calls.values()) == before + 1, (what, side, calls)
-            both = Q.quantize_tokens_and_groups_t(x, r.group, e, dtype, so, backend=GPU_BACKEND)
-            for got, ref in zip(both[0] + both[1], pairs[0][0](None) + pairs[1][0](None)):
-                assert_same(got, ref, f"{what} tokens+groups_t")
+            for offsets in (None, r.offsets):
+                both = Q.quantize_tokens_and_groups_t(x, r.group, e, dtype, so,
+                                                      backend=GPU_BACKEND, offsets=offsets)
+                for got, ref in zip(both[0] + both[1], pairs[0][0](None) + pairs[1][0](None)):
+                    assert_same(got, ref, f"{what} tokens+groups_t offsets={offsets is not None}")
     e, k, h, i, t = e_full, k_full, h_full, i_full, t_full
     r, x = routed_input(t, k, e, h, device="cuda")
     w = expert_weights(e, 2 * i, h, device="cuda")
@@ -373,8 +409,12 @@ def test_cuda_path_matches_reference(shape, monkeypatch):
              "groups_t": lambda b: Q.quantize_groups_t(x, r.group, e, E4M3, so, backend=b),
              "experts": lambda b: Q.quantize_experts(w, so, backend=b),
              "experts^T": lambda b: Q.quantize_experts(w, so, transpose=True, backend=b),
+             "groups_t segmented": lambda b: Q.quantize_groups_t(x, r.group, e, E4M3, so,
+                                                                  backend=b, offsets=r.offsets),
              "tokens+groups_t": lambda b: Q.quantize_tokens_and_groups_t(x, r.group, e, E4M3, so,
-                                                                         backend=b)}
+                                                                         backend=b),
+             "tokens+groups_t segmented": lambda b: Q.quantize_tokens_and_groups_t(
+                 x, r.group, e, E4M3, so, backend=b, offsets=r.offsets)}
     for side, fn in timed.items():
         t_ref = _median_ms(lambda: fn(None))
         t_tri = _median_ms(lambda: fn(GPU_BACKEND))

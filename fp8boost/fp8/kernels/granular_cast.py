@@ -45,7 +45,7 @@ import triton.language as tl
 from ..granular.quantize import GranularFp8
 from ..scaling import FP8_DTYPES, fp8_max
 from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
-from .tuning import interpreting
+from .tuning import ConfigCache, bucket, interpreting
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
@@ -55,7 +55,12 @@ FP8_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2
 MAX_POW2_MARGIN = 6
 # (BLOCK_R, BLOCK_C, num_warps) of the rowwise kernels on the GPU and under the interpreter.
 ROWWISE_TILE = (64, 128, 8)
-ROWS_LOOP_TILE = (16, 512, 8)
+# (BLOCK_R, BLOCK_C, num_warps) of the rows-only kernel, timed once per size class on the GPU.
+# The second sweep over a row block should hit L2: fewer rows per program keep the blocks in
+# flight small (16 x 4096 BF16 rows = 128 KiB a program).
+ROWS_LOOP_CONFIGS = ((16, 512, 8), (8, 512, 4), (4, 1024, 4), (8, 256, 4))
+ROWS_TUNE_MIN_NUMEL = 1 << 24  # smaller inputs take the first config untimed (compiles cost)
+_ROWS_CACHE = ConfigCache("rows-cast")
 _INTERP_TILE = (32, 64, 1)
 
 
@@ -275,12 +280,22 @@ def _rowwise(x, dtype, rows, cols, kw):
     fmax = fp8_max(dtype)
     common = _common(x, dtype, kw["margin"], kw["power_of_2"])
     if not cols:  # rows only: one launch, one program per row block
-        br, bc, warps = _INTERP_TILE if interpreting() else ROWS_LOOP_TILE
         data = torch.empty((r, c), dtype=dtype, device=dev)
         inv = torch.empty((r, 1), dtype=torch.float32, device=dev)
-        _rows_kernel[(triton.cdiv(r, br),)](
-            x, data.view(torch.uint8), inv, r, c, x.stride(0), x.stride(1), fmax,
-            fmax / (2.0 ** kw["margin"]), BLOCK_R=br, BLOCK_C=bc, num_warps=warps, **common)
+
+        def run(cfg):
+            br, bc, warps = cfg
+            _rows_kernel[(triton.cdiv(r, br),)](
+                x, data.view(torch.uint8), inv, r, c, x.stride(0), x.stride(1), fmax,
+                fmax / (2.0 ** kw["margin"]), BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+                **common)
+
+        if interpreting():
+            run(_INTERP_TILE)
+        else:
+            key = (bucket(r), bucket(c), x.dtype, dev.index)
+            run(_ROWS_CACHE.pick(key, ROWS_LOOP_CONFIGS, run,
+                                 bench=r * c >= ROWS_TUNE_MIN_NUMEL))
         return GranularFp8(data, inv, "row"), None
     br, bc, warps = _INTERP_TILE if interpreting() else ROWWISE_TILE
     ramax = torch.zeros(r, dtype=torch.int32, device=dev)

@@ -49,6 +49,7 @@ from .cast import tl_scale_from_amax
 from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES,
                             amax_pass_tile, fp8_bytes, needs_int64, tile_offsets)
 from .granular_cast import quantize_operands as granular_operands
+from .moe_seg_cast import two_pass as seg_two_pass
 from .tuning import interpreting
 
 # (BLOCK_R, BLOCK_C, num_warps) of the grouped two-pass kernels on the GPU / the interpreter.
@@ -262,7 +263,8 @@ def quantize_experts(w: torch.Tensor, dtype: torch.dtype, *, rows: bool = True,
             return None, None
         data, inv = quantize_rows(w2, dtype, **kw)
         return (data.view(e, n, k), inv.view(e, n)), None
-    rq, data_t, inv_t = _two_pass(w2, None, e, n, (e, k, n), k * n, n, dtype, rows, **kw)
+    rq, data_t, inv_t = seg_two_pass(w2, None, None, e, n, (e, k, n), k * n, n, dtype, rows,
+                                     **kw)
     if rq is not None:
         rq = (rq[0].view(e, n, k), rq[1].view(e, n))
     return rq, (data_t, inv_t)
@@ -270,7 +272,8 @@ def quantize_experts(w: torch.Tensor, dtype: torch.dtype, *, rows: bool = True,
 
 def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
                       dtype: torch.dtype, *, rows: bool = False, margin: int = 0,
-                      power_of_2: bool = False) -> tuple[Optional[tuple], tuple]:
+                      power_of_2: bool = False, offsets: Optional[torch.Tensor] = None
+                      ) -> tuple[Optional[tuple], tuple]:
     """``x [R, C]`` scaled per (expert group, column) over that expert's rows, emitted
     transposed ``[C, R]``; with ``rows``, also the per-row operand of the same ``x``.
 
@@ -282,6 +285,11 @@ def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
         dtype: FP8 dtype.
         rows: also return ``(data [R, C], inv [R])`` scaled per row (every row, as
             :func:`quantize_rows`).
+        offsets: the routing's ``[E]`` int32 end offsets (rows of expert e in
+            ``[offsets[e-1], offsets[e])``, padding rows there of group E, rows past the last
+            offset a tail of no group): the segmented kernels of :mod:`.moe_seg_cast`, one
+            program per (expert, column block) looping down the expert's rows. Without it,
+            the tiled kernels above (any row order).
 
     Returns:
         ``((data, inv) or None, (data_t [C, R], inv_t [E, C]))``.
@@ -290,6 +298,15 @@ def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
     _check(supports(x, dtype, group=group, **kw) and x.dim() == 2 and num_experts >= 1, x,
            dtype, **kw)
     r, c = x.shape
+    if offsets is not None:
+        if (offsets.dim() != 1 or offsets.shape[0] != num_experts or offsets.device != x.device
+                or offsets.dtype.is_floating_point):
+            raise ValueError(f"offsets must be the routing's [{num_experts}] integer end offsets "
+                             f"on {x.device}, got {tuple(offsets.shape)} {offsets.dtype} on "
+                             f"{offsets.device}")
+        rq, data_t, inv_t = seg_two_pass(x.detach(), group, offsets, num_experts, 0, (c, r), 0,
+                                         r, dtype, rows, **kw)
+        return rq, (data_t, inv_t)
     rq, data_t, inv_t = _two_pass(x.detach(), group, num_experts, 0, (c, r), 0, r, dtype, rows,
                                   **kw)
     return rq, (data_t, inv_t)

@@ -61,14 +61,16 @@ def _(w, dtype, rows, margin, power_of_2):
 
 @torch.library.custom_op("fp8boost::moe_cast_groups_t", mutates_args=())
 def _groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int, dtype: torch.dtype,
-              rows: bool, margin: int, power_of_2: bool) -> list[torch.Tensor]:
+              rows: bool, margin: int, power_of_2: bool, offsets: Optional[torch.Tensor]
+              ) -> list[torch.Tensor]:
     rq, (data_t, inv_t) = moe_cast.quantize_groups_t(x, group, num_experts, dtype, rows=rows,
-                                                     margin=margin, power_of_2=power_of_2)
+                                                     margin=margin, power_of_2=power_of_2,
+                                                     offsets=offsets)
     return ([rq[0], rq[1]] if rows else []) + [data_t, inv_t]
 
 
 @_groups_t.register_fake
-def _(x, group, num_experts, dtype, rows, margin, power_of_2):
+def _(x, group, num_experts, dtype, rows, margin, power_of_2, offsets):
     r, c = x.shape
     out = [x.new_empty(c, r, dtype=dtype), x.new_empty(num_experts, c, dtype=torch.float32)]
     if rows:
@@ -101,7 +103,8 @@ def quantize_experts(w: torch.Tensor, dtype: torch.dtype, *, rows: bool = True,
 
 def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
                       dtype: torch.dtype, *, rows: bool = False, margin: int = 0,
-                      power_of_2: bool = False) -> tuple[Optional[Pair], Pair]:
+                      power_of_2: bool = False, offsets: Optional[torch.Tensor] = None
+                      ) -> tuple[Optional[Pair], Pair]:
     """:func:`.moe_cast.quantize_groups_t` as the op ``fp8boost::moe_cast_groups_t``."""
-    out = _groups_t(x.detach(), group, num_experts, dtype, rows, margin, power_of_2)
+    out = _groups_t(x.detach(), group, num_experts, dtype, rows, margin, power_of_2, offsets)
     return ((out[0], out[1]) if rows else None), (out[-2], out[-1])

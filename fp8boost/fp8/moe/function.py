@@ -94,7 +94,8 @@ class GroupedFp8Linear(torch.autograd.Function):
         saved = (None, None)
         if save_x and opts.wgrad_fp8:  # x and x^T from one call (one pair of passes, fused)
             (xq, x_inv), saved = quantize_tokens_and_groups_t(
-                x, routing.group, routing.num_experts, s.fwd_dtype, s, backend=opts.backend)
+                x, routing.group, routing.num_experts, s.fwd_dtype, s, backend=opts.backend,
+                offsets=routing.offsets)
         else:
             xq, x_inv = quantize_tokens(x, s.fwd_dtype, s, backend=opts.backend)
             if save_x:  # the high-precision weight gradient reads x as it is
@@ -118,12 +119,13 @@ class GroupedFp8Linear(torch.autograd.Function):
             need_dw = False
         if need_dx and need_dw:  # dy and dy^T from one call (one pair of passes, fused path)
             (dyq, dy_inv), (dyt, dyt_inv) = quantize_tokens_and_groups_t(
-                dy, r.group, r.num_experts, s.grad_dtype, s, backend=opts.backend)
+                dy, r.group, r.num_experts, s.grad_dtype, s, backend=opts.backend,
+                offsets=r.offsets)
         elif need_dx:
             dyq, dy_inv = quantize_tokens(dy, s.grad_dtype, s, backend=opts.backend)
         elif need_dw:
             dyt, dyt_inv = quantize_groups_t(dy, r.group, r.num_experts, s.grad_dtype, s,
-                                             backend=opts.backend)
+                                             backend=opts.backend, offsets=r.offsets)
         if need_dx:
             wtq, wt_inv = quantize_experts(weight, s, transpose=True, backend=opts.backend)
             dx = _mm(dyq, dy_inv, wtq, wt_inv, r, opts, opts.fast_accum_dgrad, ctx.x_dtype)

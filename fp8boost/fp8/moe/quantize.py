@@ -172,7 +172,8 @@ def quantize_experts(w: torch.Tensor, opts: ScaleOptions, *, transpose: bool = F
 
 
 def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
-                      dtype: torch.dtype, opts: ScaleOptions, *, backend: Optional[str] = None):
+                      dtype: torch.dtype, opts: ScaleOptions, *, backend: Optional[str] = None,
+                      offsets: Optional[torch.Tensor] = None):
     """``x [rows, C]`` scaled per (expert group, column), emitted transposed.
 
     Args:
@@ -183,6 +184,9 @@ def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
         dtype: FP8 dtype.
         opts: scaling options.
         backend: the grouped GEMM backend (see the module docstring's dispatch).
+        offsets: the routing's ``[E]`` end offsets, when ``group`` comes from one (rows sorted
+            by expert): the fused path then loops down each expert's rows
+            (:mod:`fp8boost.fp8.kernels.moe_seg_cast`). The same results either way.
 
     Returns:
         ``(data [C, rows] FP8 row-major, inv_scale [E, C])``.
@@ -197,7 +201,8 @@ def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
     kernels = fused_kernels(x, backend, "groups_t", dtype, opts, group)
     if kernels is not None and num_experts >= 1:
         _, (data_t, inv_t) = kernels.quantize_groups_t(
-            x, group, num_experts, dtype, margin=opts.margin, power_of_2=opts.power_of_2)
+            x, group, num_experts, dtype, margin=opts.margin, power_of_2=opts.power_of_2,
+            offsets=offsets)
         return data_t, inv_t
     rows, c = x.shape
     # Rows of no group: zero before the amax and the cast (their group's scale is dropped).
@@ -211,12 +216,13 @@ def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
 
 def quantize_tokens_and_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
                                  dtype: torch.dtype, opts: ScaleOptions, *,
-                                 backend: Optional[str] = None):
+                                 backend: Optional[str] = None,
+                                 offsets: Optional[torch.Tensor] = None):
     """:func:`quantize_tokens` and :func:`quantize_groups_t` of the same ``x``, in one call.
 
     The same results as the two calls; on the fused path both operands come from one pair of
     passes over ``x`` (two reads instead of three): ``x`` in fprop + its saved ``x^T``, ``dy``
-    in dgrad + wgrad.
+    in dgrad + wgrad. ``offsets``: as in :func:`quantize_groups_t`.
 
     Returns:
         ``((data [rows, K], inv_scale [rows]), (data_t [K, rows], inv_scale_t [E, K]))``.
@@ -231,6 +237,7 @@ def quantize_tokens_and_groups_t(x: torch.Tensor, group: torch.Tensor, num_exper
     kernels = fused_kernels(x, backend, "tokens+groups_t", dtype, opts, group)
     if kernels is not None and num_experts >= 1:
         return kernels.quantize_groups_t(x, group, num_experts, dtype, rows=True,
-                                         margin=opts.margin, power_of_2=opts.power_of_2)
+                                         margin=opts.margin, power_of_2=opts.power_of_2,
+                                         offsets=offsets)
     return (quantize_tokens(x, dtype, opts),
             quantize_groups_t(x, group, num_experts, dtype, opts))
