@@ -135,6 +135,15 @@ def projection(e, k, t, n_out, k_in) -> dict:
     res["bf16_wgrad_tflops"] = tf(bench(lambda: torch._grouped_mm(dyb.t(), xb, offs=offs)))
     res["fp8_wgrad_gemm_tflops"] = tf(bench(
         lambda: scaled_mm_wgrad(dyt, dyti, xt, xti, r.offsets, False)))
+    # The wgrad op above runs the faster of torch's kernel and fp8boost's Triton K-grouped
+    # kernel (fp8boost.fp8.kernels.grouped_wgrad); each on its own:
+    from fp8boost.fp8.kernels import grouped_wgrad as gw
+
+    res["fp8_wgrad_torch_tflops"] = tf(bench(lambda: torch._scaled_grouped_mm(
+        dyt, xt.t(), dyti.reshape(-1), xti.reshape(-1), offs=r.offsets,
+        out_dtype=torch.bfloat16)))
+    res["fp8_wgrad_triton_tflops"] = {str(tuple(c)): tf(bench(lambda: gw.triton_wgrad(
+        dyt, dyti, xt, xti, r.offsets, False, c))) for c in gw.CONFIGS}
     # Fast accumulation in the gradient GEMMs (off by default: Fp8Config.fast_accum_*).
     res["fp8_wgrad_gemm_fast_tflops"] = tf(bench(
         lambda: scaled_mm_wgrad(dyt, dyti, xt, xti, r.offsets, True)))
@@ -258,6 +267,13 @@ def print_tables(rows: list) -> None:
               f"{_x(r, 'fp8_wgrad_gemm_fast_vs_bf16_wgrad'):7.2f} | "
               f"{_x(r, 'casts_fwd_fused_triton_gbps'):8.0f} "
               f"{_x(r, 'casts_bwd_fused_triton_gbps'):8.0f}")
+    print(f"\nFP8 wgrad TFLOP/s (promoted accumulation): BF16, torch, each Triton config"
+          f"\n{'shape':>14} {'proj':>7} {'T':>6} {'bf16':>6} {'torch':>6} | Triton configs")
+    for r in rows:
+        tri = r.get("fp8_wgrad_triton_tflops") or {}
+        print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} {r['bf16_wgrad_tflops']:6.0f} "
+              f"{_x(r, 'fp8_wgrad_torch_tflops'):6.0f} | "
+              + "  ".join(f"{c} {v:.0f}" for c, v in tri.items()))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,13 @@ tensor check refuses it: an error under ``fullgraph``, else a graph break), and 
 ``bmm`` reads the largest group size on the host (``.item()``). Eager and compiled runs call
 the same kernels on the same bytes. The CUDA GEMMs are custom ops too
 (``fp8boost::moe_scaled_mm`` and ``_wgrad``): the GEMM is the one opaque call of a compiled
-expert, as of a compiled linear layer.
+expert, as of a compiled linear layer. The wgrad op runs the faster of torch's kernel and
+fp8boost's Triton K-grouped kernel (:mod:`fp8boost.fp8.kernels.grouped_wgrad`), timed once per
+shape class.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -176,9 +179,27 @@ def _(a, a_inv, b, b_inv, offsets, fast_accum):
 def _scaled_wgrad_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
                      b_inv: torch.Tensor, offsets: torch.Tensor,
                      fast_accum: bool) -> torch.Tensor:
-    return torch._scaled_grouped_mm(a, b.t(), a_inv.reshape(-1), b_inv.reshape(-1),
-                                    offs=offsets, out_dtype=torch.bfloat16,
-                                    use_fast_accum=fast_accum).contiguous()
+    def torch_wgrad() -> torch.Tensor:
+        return torch._scaled_grouped_mm(a, b.t(), a_inv.reshape(-1), b_inv.reshape(-1),
+                                        offs=offsets, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast_accum).contiguous()
+
+    kernels = _state.probe("moe-wgrad-triton", _import_wgrad_kernel)
+    if kernels is None:
+        return torch_wgrad()
+    # The faster of torch's kernel and fp8boost's Triton K-grouped one, timed per shape class.
+    return kernels.grouped_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, torch_wgrad)
+
+
+def _import_wgrad_kernel():
+    try:  # optional dependency: without (a working) Triton, torch's kernel runs alone
+        from ..kernels import grouped_wgrad
+    except Exception as e:  # noqa: BLE001
+        _state.log_once(logging.getLogger("fp8boost.fp8.moe"), "moe-wgrad-import",
+                        f"fp8boost: the Triton expert wgrad kernel is unavailable "
+                        f"({type(e).__name__}: {e}); torch._scaled_grouped_mm runs alone")
+        return None
+    return grouped_wgrad
 
 
 @_scaled_wgrad_op.register_fake

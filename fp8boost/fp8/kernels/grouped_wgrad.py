@@ -1,0 +1,155 @@
+"""K-grouped FP8 weight-gradient GEMM of the experts, in Triton.
+
+``out[e] = (a_e @ b_e^T) * a_inv[e][:, None] * b_inv[e][None, :]`` where ``a_e = a[:, rows of
+expert e]`` and ``b_e = b[:, rows of expert e]``: the reduction runs over each expert's token
+rows (``[offsets[e-1], offsets[e])``, the routing's end offsets read on the device), and each
+expert's scales are one per row of ``a`` (``a_inv [E, M]``) and of ``b`` (``b_inv [E, N]``),
+as :func:`fp8boost.fp8.moe.gemm.scaled_mm_wgrad` takes them. ``a [M, rows]`` and ``b [N,
+rows]`` are FP8, row-major (token-major: the transposed operands the segmented casts write).
+
+Why: ``torch._scaled_grouped_mm``'s 2-D x 2-D form ran at 0.21-0.31x BF16's ``_grouped_mm`` on
+Qwen3-30B-A3B's 128 experts x 768 (H200, issue 34). One program here owns one ``BLOCK_M x
+BLOCK_N`` output tile of one expert and loops over that expert's rows ``BLOCK_K`` at a time
+(16-row aligned group starts, so the loads stay 16-byte aligned); padding rows hold zero bytes
+and add nothing; an expert with no rows gets zeros. Accumulation: fast (the tensor cores' FP8
+accumulator over the whole group) or promoted to FP32 every ``BLOCK_K`` rows
+(``max_num_imprecise_acc``), as the dense Triton GEMM does.
+
+:func:`grouped_wgrad` times this kernel's configs against torch's kernel once per shape class
+on the GPU (:class:`~fp8boost.fp8.kernels.tuning.ConfigCache` ``"moe-wgrad"``) and runs the
+fastest, so it is never slower than torch's where both run; problems under
+:data:`TUNE_MIN_WORK` keep torch's kernel untimed.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import ConfigCache, bucket, interpreting
+
+
+class WgradConfig(NamedTuple):
+    """Block sizes, pipeline depth and warps of one launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+
+
+TORCH = "torch"  # pseudo-config: torch._scaled_grouped_mm
+CONFIGS = (WgradConfig(128, 128, 128, 4, 8), WgradConfig(128, 256, 128, 3, 8),
+           WgradConfig(64, 128, 128, 4, 4), WgradConfig(128, 128, 64, 5, 8))
+# Smaller problems (M * N * rows) run torch's kernel untimed: timing compiles every config
+# (seconds), repaid only where the weight gradient is a measurable share of a step.
+TUNE_MIN_WORK = 1 << 32
+_INTERP_CONFIG = WgradConfig(16, 32, 32, 1, 1)
+_CACHE = ConfigCache("moe-wgrad")
+
+
+@triton.jit
+def _wgrad_kernel(a_ptr, b_ptr, out_ptr, a_inv_ptr, b_inv_ptr, off_ptr, M, N, E,
+                  stride_a, stride_b, PROMOTE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tile // tiles_n
+    pid_n = tile - pid_m * tiles_n
+    start = tl.load(off_ptr + tl.maximum(e - 1, 0))
+    start = tl.where(e > 0, start, 0)
+    start = tl.multiple_of(start, 16)  # the routing starts each group at a multiple of 16
+    end = tl.load(off_ptr + e)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Clamp rows past M / N instead of masking them: their results are never stored.
+    rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_ok = offs_k[None, :] < end
+        a = tl.load(a_ptr + rows_a[:, None] * stride_a + offs_k[None, :], mask=k_ok, other=0.0)
+        b = tl.load(b_ptr + rows_b[:, None] * stride_b + offs_k[None, :], mask=k_ok, other=0.0)
+        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE)
+    a_inv = tl.load(a_inv_ptr + e * M + offs_m, mask=offs_m < M, other=0.0)
+    b_inv = tl.load(b_inv_ptr + e * N + offs_n, mask=offs_n < N, other=0.0)
+    acc = acc * a_inv[:, None] * b_inv[None, :]
+    out = out_ptr + e.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(out, acc.to(tl.bfloat16), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def supports(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+             offsets: torch.Tensor) -> bool:
+    """Whether :func:`triton_wgrad` takes these operands (FP8 row-major ``a [M, rows]``, ``b
+    [N, rows]``, FP32 ``a_inv [E, M]``, ``b_inv [E, N]``, int32 ``offsets [E]``, one CUDA
+    device or the interpreter, the row count a multiple of 16).
+
+    Example:
+        >>> e4 = torch.float8_e4m3fn
+        >>> supports(torch.zeros(8, 32, dtype=e4), torch.zeros(4, 32, dtype=e4),
+        ...          torch.ones(2, 8), torch.ones(2, 4), torch.tensor([16, 32]))
+        False
+    """
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not all(torch.is_tensor(t) for t in (a, b, a_inv, b_inv, offsets)):
+        return False
+    if a.dim() != 2 or b.dim() != 2 or a.dtype not in fp8 or b.dtype not in fp8:
+        return False
+    rows, e = a.shape[1], offsets.shape[0] if offsets.dim() == 1 else -1
+    if b.shape[1] != rows or rows % 16 or e < 1 or offsets.dtype != torch.int32:
+        return False
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 16 or b.stride(0) % 16:
+        return False
+    if tuple(a_inv.shape) != (e, a.shape[0]) or tuple(b_inv.shape) != (e, b.shape[0]):
+        return False
+    if a_inv.dtype != torch.float32 or b_inv.dtype != torch.float32:
+        return False
+    devs = {t.device for t in (a, b, a_inv, b_inv, offsets)}
+    return len(devs) == 1 and (a.is_cuda or interpreting())
+
+
+def triton_wgrad(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+                 offsets: torch.Tensor, fast_accum: bool,
+                 cfg: WgradConfig = CONFIGS[0]) -> torch.Tensor:
+    """The Triton kernel with one config: ``[E, M, N]`` BF16 (see the module docstring)."""
+    if not supports(a, b, a_inv, b_inv, offsets):
+        raise ValueError(f"grouped_wgrad cannot take a {tuple(a.shape)} {a.dtype}, b "
+                         f"{tuple(b.shape)} {b.dtype}, a_inv {tuple(a_inv.shape)}, b_inv "
+                         f"{tuple(b_inv.shape)}, offsets {tuple(offsets.shape)} "
+                         f"{offsets.dtype} on {a.device}; use torch._scaled_grouped_mm")
+    m, n, e = a.shape[0], b.shape[0], offsets.shape[0]
+    out = torch.empty(e, m, n, dtype=torch.bfloat16, device=a.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), e)
+    _wgrad_kernel[grid](a, b, out, a_inv.contiguous(), b_inv.contiguous(), offsets, m, n, e,
+                        a.stride(0), b.stride(0), PROMOTE=None if fast_accum else cfg.block_k,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                        num_stages=cfg.stages, num_warps=cfg.warps)
+    return out
+
+
+def grouped_wgrad(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+                  offsets: torch.Tensor, fast_accum: bool,
+                  torch_wgrad: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The fastest of torch's kernel (``torch_wgrad()``) and this module's configs for this
+    shape class, timed once on the GPU; torch's kernel where the Triton one cannot take the
+    operands (:func:`supports`)."""
+    if not supports(a, b, a_inv, b_inv, offsets):
+        return torch_wgrad()
+    if interpreting():
+        return triton_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, _INTERP_CONFIG)
+
+    def run(cfg):
+        if cfg == TORCH:
+            return torch_wgrad()
+        return triton_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, cfg)
+
+    m, n, e = a.shape[0], b.shape[0], offsets.shape[0]
+    key = (bucket(a.shape[1]), m, n, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)
+    bench = m * n * a.shape[1] >= TUNE_MIN_WORK
+    return run(_CACHE.pick(key, (TORCH,) + CONFIGS, run, bench=bench))
