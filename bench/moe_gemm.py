@@ -155,6 +155,14 @@ def projection(e, k, t, n_out, k_in) -> dict:
     res["fp8_dgrad_gemm_fast_tflops"] = dgrad_flops / (bench(
         lambda: scaled_mm(dyq, dyi, wtq, wti, r.offsets, True)) * 1e-3) / 1e12
     res["bf16_dgrad_tflops"] = tf(bench(lambda: torch._grouped_mm(dyb, w, offs=offs)))
+    # dgrad (promoted accumulation) on torch's kernel alone and on each Triton config (the op
+    # above runs the faster: fp8boost.fp8.kernels.grouped_mm).
+    from fp8boost.fp8.kernels import grouped_mm as gm
+
+    res["fp8_dgrad_torch_tflops"] = tf(bench(lambda: torch._scaled_grouped_mm(
+        dyq, wtq.transpose(-2, -1), dyi, wti, offs=r.offsets, out_dtype=torch.bfloat16)))
+    res["fp8_dgrad_triton_tflops"] = {str(tuple(c)): tf(bench(lambda: gm.triton_mm(
+        dyq, dyi, wtq, wti, r.offsets, False, c))) for c in gm.CONFIGS}
     with torch.no_grad():
         res["fp8_fprop_tflops"] = tf(bench(lambda: grouped_linear(x, w, r, opts)))
     wg = w.clone().requires_grad_()
@@ -267,13 +275,14 @@ def print_tables(rows: list) -> None:
               f"{_x(r, 'fp8_wgrad_gemm_fast_vs_bf16_wgrad'):7.2f} | "
               f"{_x(r, 'casts_fwd_fused_triton_gbps'):8.0f} "
               f"{_x(r, 'casts_bwd_fused_triton_gbps'):8.0f}")
-    print(f"\nFP8 wgrad TFLOP/s (promoted accumulation): BF16, torch, each Triton config"
-          f"\n{'shape':>14} {'proj':>7} {'T':>6} {'bf16':>6} {'torch':>6} | Triton configs")
-    for r in rows:
-        tri = r.get("fp8_wgrad_triton_tflops") or {}
-        print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} {r['bf16_wgrad_tflops']:6.0f} "
-              f"{_x(r, 'fp8_wgrad_torch_tflops'):6.0f} | "
-              + "  ".join(f"{c} {v:.0f}" for c, v in tri.items()))
+    for what in ("wgrad", "dgrad"):
+        print(f"\nFP8 {what} TFLOP/s (promoted accumulation): BF16, torch, each Triton config"
+              f"\n{'shape':>14} {'proj':>7} {'T':>6} {'bf16':>6} {'torch':>6} | Triton configs")
+        for r in rows:
+            tri = r.get(f"fp8_{what}_triton_tflops") or {}
+            print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} "
+                  f"{_x(r, f'bf16_{what}_tflops'):6.0f} {_x(r, f'fp8_{what}_torch_tflops'):6.0f} | "
+                  + "  ".join(f"{c} {v:.0f}" for c, v in tri.items()))
 
 
 if __name__ == "__main__":

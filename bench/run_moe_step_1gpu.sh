@@ -5,7 +5,8 @@
 #   bash bench/run_moe_step_1gpu.sh gemm       # bench/moe_gemm.py --quick (GEMMs, casts GB/s)
 # The table's modes: BF16 compiled (transformers' grouped_mm experts), fp8boost FP8 compiled,
 # and two ablations (fast accumulation in every GEMM; the experts' weight gradient in BF16),
-# each cell one process with a 2-step kernel profile (bench/_moe_profile.py).
+# each cell one process with a 2-step kernel profile (bench/_moe_profile.py). CELL_TIMEOUT
+# (100 s): fp8default cells time the experts' precision and tune the kernels first (~2 min cold).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
@@ -23,5 +24,5 @@ fi
 shapes=${2:-mixtral,qwen3}
 modes=${3:-bf16_compiled,fp8_compiled,fp8fast_compiled,fp8hpw_compiled,fp8default_compiled}
 timeout ${TABLE_TIMEOUT:-430} python3 bench/moe_step.py --shapes "$shapes" --modes "$modes" \
-  --warmup 3 --steps 6 --profile-steps 2 --cell-timeout 100 \
+  --warmup 3 --steps 6 --profile-steps 2 --cell-timeout ${CELL_TIMEOUT:-100} \
   --output "$OUT/moe_step_${TAG:-run}.json" 2>&1 | grep -v "^|---" | tail -40

@@ -129,6 +129,9 @@ class GroupedFp8Linear(torch.autograd.Function):
         if need_dx:
             wtq, wt_inv = quantize_experts(weight, s, transpose=True, backend=opts.backend)
             dx = _mm(dyq, dy_inv, wtq, wt_inv, r, opts, opts.fast_accum_dgrad, ctx.x_dtype)
+            # Freed before the weight-gradient GEMM: W^T alone is E*K*N bytes (0.9 GiB for a
+            # Mixtral-8x7B gate_up), which would otherwise sit on top of that GEMM's peak.
+            del dyq, dy_inv, wtq, wt_inv
         if need_dw:
             dw = _mm_wgrad(dyt, dyt_inv, xt, xt_inv, r, opts, weight.dtype)
         return dx, dw, None, None, None

@@ -31,9 +31,9 @@ tensor check refuses it: an error under ``fullgraph``, else a graph break), and 
 ``bmm`` reads the largest group size on the host (``.item()``). Eager and compiled runs call
 the same kernels on the same bytes. The CUDA GEMMs are custom ops too
 (``fp8boost::moe_scaled_mm`` and ``_wgrad``): the GEMM is the one opaque call of a compiled
-expert, as of a compiled linear layer. The wgrad op runs the faster of torch's kernel and
-fp8boost's Triton K-grouped kernel (:mod:`fp8boost.fp8.kernels.grouped_wgrad`), timed once per
-shape class.
+expert, as of a compiled linear layer. Each op runs the faster of torch's kernel and
+fp8boost's Triton one (:mod:`fp8boost.fp8.kernels.grouped_mm`, ``grouped_wgrad``), timed once
+per shape class.
 """
 from __future__ import annotations
 
@@ -164,10 +164,17 @@ def scaled_mm_wgrad(a, a_inv, b, b_inv, offsets, fast_accum: bool) -> torch.Tens
 @torch.library.custom_op("fp8boost::moe_scaled_mm", mutates_args=())
 def _scaled_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
                   offsets: torch.Tensor, fast_accum: bool) -> torch.Tensor:
-    # contiguous: the layout the fake below declares (a no-op for the K-aligned shapes taken)
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_inv, b_inv, offs=offsets,
-                                    out_dtype=torch.bfloat16,
-                                    use_fast_accum=fast_accum).contiguous()
+    def torch_mm() -> torch.Tensor:
+        # contiguous: the layout the fake below declares (a no-op for the K-aligned shapes)
+        return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_inv, b_inv, offs=offsets,
+                                        out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast_accum).contiguous()
+
+    kernels = _state.probe("moe-gemm-triton", _import_triton_gemms)
+    if kernels is None:
+        return torch_mm()
+    # The faster of torch's kernel and fp8boost's Triton M-grouped one, timed per shape class.
+    return kernels[0].grouped_mm(a, a_inv, b, b_inv, offsets, fast_accum, torch_mm)
 
 
 @_scaled_mm_op.register_fake
@@ -184,22 +191,23 @@ def _scaled_wgrad_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
                                         offs=offsets, out_dtype=torch.bfloat16,
                                         use_fast_accum=fast_accum).contiguous()
 
-    kernels = _state.probe("moe-wgrad-triton", _import_wgrad_kernel)
+    kernels = _state.probe("moe-gemm-triton", _import_triton_gemms)
     if kernels is None:
         return torch_wgrad()
     # The faster of torch's kernel and fp8boost's Triton K-grouped one, timed per shape class.
-    return kernels.grouped_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, torch_wgrad)
+    return kernels[1].grouped_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, torch_wgrad)
 
 
-def _import_wgrad_kernel():
-    try:  # optional dependency: without (a working) Triton, torch's kernel runs alone
-        from ..kernels import grouped_wgrad
+def _import_triton_gemms():
+    """``(grouped_mm, grouped_wgrad)`` kernel modules, or None (logged once) without Triton."""
+    try:  # optional dependency: without (a working) Triton, torch's kernels run alone
+        from ..kernels import grouped_mm, grouped_wgrad
     except Exception as e:  # noqa: BLE001
-        _state.log_once(logging.getLogger("fp8boost.fp8.moe"), "moe-wgrad-import",
-                        f"fp8boost: the Triton expert wgrad kernel is unavailable "
+        _state.log_once(logging.getLogger("fp8boost.fp8.moe"), "moe-gemm-import",
+                        f"fp8boost: the Triton expert GEMM kernels are unavailable "
                         f"({type(e).__name__}: {e}); torch._scaled_grouped_mm runs alone")
         return None
-    return grouped_wgrad
+    return grouped_mm, grouped_wgrad
 
 
 @_scaled_wgrad_op.register_fake

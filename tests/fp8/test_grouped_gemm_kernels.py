@@ -1,5 +1,6 @@
-"""The Triton K-grouped FP8 weight-gradient GEMM (``fp8boost.fp8.kernels.grouped_wgrad``)
-against the emulated grouped wgrad (FP32 products of the dequantized operands).
+"""The Triton grouped FP8 GEMMs of the experts, M-grouped (``fp8boost.fp8.kernels.grouped_mm``:
+forward and input gradient) and K-grouped (``grouped_wgrad``: weight gradient), against the
+emulated grouped GEMMs (FP32 products of the dequantized operands).
 
 CPU (CI): the kernel runs in Triton's interpreter in a child process, on a real routing layout
 (uneven experts, an empty one, padding rows of zero bytes as the casts write them), distinct
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8boost.fp8.moe.gemm import emulated_mm_wgrad
+from fp8boost.fp8.moe.gemm import emulated_mm, emulated_mm_wgrad
 from fp8boost.fp8.moe.routing import route
 from tests.fp8.interp_child import IN_CHILD, run_interpreter_suite
 
@@ -49,6 +50,34 @@ def test_interpreter_suite():
     run_interpreter_suite(__file__)
 
 
+def mm_operands(tokens: int, k: int, e: int, n: int, kdim: int, dtypes=(E4M3, E4M3),
+                seed: int = 0, device="cpu"):
+    """``a [rows, K]`` (zero bytes on rows of no expert), ``b [E, N, K]``, scales ``[rows]`` /
+    ``[E, N]``, and the routing (expert 1 gets no rows)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    probs = torch.tensor([3.0, 0.0] + [1.0 + i for i in range(e - 2)], device=device)
+    r = route(torch.multinomial(probs.expand(tokens, e), k, generator=g), e)
+    a = torch.randn(r.rows, kdim, generator=g, device=device) * 4
+    a = torch.where((r.group < e).view(-1, 1), a, 0).to(dtypes[0])
+    b = (torch.randn(e, n, kdim, generator=g, device=device) * 4).to(dtypes[1])
+    a_inv = torch.rand(r.rows, generator=g, device=device) + 0.25
+    b_inv = torch.rand(e, n, generator=g, device=device) + 0.25
+    return r, a, a_inv, b, b_inv
+
+
+def valid_rows(out, r):
+    return out[r.group < r.num_experts]
+
+
+@pytest.fixture(scope="class")
+def gm():
+    if not IN_CHILD:
+        pytest.skip("runs in a child process (see test_interpreter_suite)")
+    from fp8boost.fp8.kernels import grouped_mm
+
+    return grouped_mm
+
+
 @pytest.fixture(scope="class")
 def gw():
     if not IN_CHILD:
@@ -58,8 +87,30 @@ def gw():
     return grouped_wgrad
 
 
-@pytest.mark.usefixtures("gw")
+@pytest.mark.usefixtures("gw", "gm")
 class TestInterpreter:
+    @pytest.mark.parametrize("fast", [True, False])
+    @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
+    def test_mm_matches_emulated(self, gm, fast, dtypes):
+        r, a, a_inv, b, b_inv = mm_operands(70, 2, 5, 40, 48, dtypes)
+        assert gm.supports(a, a_inv, b, b_inv, r.offsets)
+        got = gm.triton_mm(a, a_inv, b, b_inv, r.offsets, fast, gm._INTERP_CONFIG)
+        want = emulated_mm(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
+        assert got.shape == want.shape == (r.rows, 40) and got.dtype == torch.bfloat16
+        got, want = valid_rows(got, r), valid_rows(want, r)
+        assert rel(got, want) < 1e-2
+        assert (got.float() - want).abs().max() < 1e-2 * want.abs().max()
+
+    def test_mm_dispatch_runs_the_kernel_in_the_interpreter(self, gm):
+        r, a, a_inv, b, b_inv = mm_operands(40, 2, 4, 32, 32, seed=1)
+
+        def torch_mm():
+            raise AssertionError("the interpreter runs the Triton kernel")
+
+        got = gm.grouped_mm(a, a_inv, b, b_inv, r.offsets, False, torch_mm)
+        want = emulated_mm(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
+        assert rel(valid_rows(got, r), valid_rows(want, r)) < 1e-2
+
     @pytest.mark.parametrize("fast", [True, False])
     @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
     def test_matches_emulated(self, gw, fast, dtypes):
@@ -100,6 +151,40 @@ def test_supports_refuses_what_the_kernel_cannot_take():
     calls = []
     assert gw.grouped_wgrad(a, a_inv, b, b_inv, r.offsets, False,
                             lambda: calls.append(1) or "torch") == "torch" and calls == [1]
+
+
+def test_mm_supports_refuses_what_the_kernel_cannot_take():
+    pytest.importorskip("triton")
+    from fp8boost.fp8.kernels import grouped_mm as gm
+
+    r, a, a_inv, b, b_inv = mm_operands(40, 2, 4, 32, 48, seed=2)
+    assert not gm.supports(a, a_inv, b, b_inv, r.offsets)  # CPU without the interpreter
+    assert not gm.supports(a.float(), a_inv, b, b_inv, r.offsets)
+    assert not gm.supports(a, a_inv, b[..., :40], b_inv, r.offsets)
+    assert not gm.supports(a, a_inv, b, b_inv[:, :8], r.offsets)
+    with pytest.raises(ValueError, match="_scaled_grouped_mm"):
+        gm.triton_mm(a, a_inv, b, b_inv, r.offsets, False)
+    assert gm.grouped_mm(a, a_inv, b, b_inv, r.offsets, False, lambda: "torch") == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fast", [False, True])
+def test_cuda_mm_configs_match_torch(fast):
+    from fp8boost.fp8.kernels import grouped_mm as gm
+    from fp8boost.fp8.moe.gemm import scaled_mm
+
+    r, a, a_inv, b, b_inv = mm_operands(4096, 8, 32, 1024, 768, seed=4, device="cuda")
+    want = valid_rows(emulated_mm(a, a_inv, b, b_inv, r.offsets, r.group, r.local), r)
+    torch_out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_inv, b_inv, offs=r.offsets,
+                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
+    assert rel(valid_rows(torch_out, r), want) < 1e-2
+    for cfg in gm.CONFIGS:
+        got = gm.triton_mm(a, a_inv, b, b_inv, r.offsets, fast, cfg)
+        assert rel(valid_rows(got, r), want) < 1e-2, (cfg, rel(valid_rows(got, r), want))
+    # The op the experts call: whichever kernel was timed fastest, the same result.
+    assert rel(valid_rows(scaled_mm(a, a_inv, b, b_inv, r.offsets, fast), r), want) < 1e-2
+    print("moe-mm timings (ms):", gm._CACHE.timings)
 
 
 @pytest.mark.gpu
