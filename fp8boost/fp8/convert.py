@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import logging
 import sys
 
 import torch
@@ -18,9 +17,10 @@ from torch import nn
 
 from fp8boost import _state
 
-from .config import DEFAULT_MIN_NUMEL, GRANULAR_RECIPES, Fp8Config
+from .config import GRANULAR_RECIPES, Fp8Config
 from .linear import Fp8Linear, Fp8LinearFunction
 from .linear_granular import granular_forward
+from .min_numel import min_numel_limit
 from .moe import experts_back, experts_decision, is_fp8_experts
 from .prequantized import Fp8WeightTensor, dequantize_weight
 from .scaling import Fp8Tensor
@@ -119,45 +119,6 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     if k * n < limit:
         return f"{k * n} weight elements < min_numel={limit} (too small to gain)"
     return None
-
-
-def min_numel_limit(config: Fp8Config, numel: Optional[int] = None) -> int:
-    """The ``min_numel`` the default filter applies: the one place that resolves the field.
-
-    An explicit ``config.min_numel`` (any int, ``DEFAULT_MIN_NUMEL`` included) applies as given.
-    ``None`` is the library default ``DEFAULT_MIN_NUMEL``, a speed rule, where FP8 can be fast
-    (a hardware backend, or ``auto`` with an FP8 GPU here); without FP8 tensor cores (CPU,
-    emulated) FP8 is asked for its numerics, which a size filter would silently take away from
-    every small model: there the default is waived (0), logged once when a layer of ``numel``
-    weight elements (the layer being filtered, if any) would have been kept by it.
-
-    Example:
-        >>> from fp8boost.fp8 import Fp8Config
-        >>> from fp8boost.fp8.config import DEFAULT_MIN_NUMEL
-        >>> min_numel_limit(Fp8Config(backend="cublas")) == DEFAULT_MIN_NUMEL
-        True
-        >>> min_numel_limit(Fp8Config(backend="emulated", min_numel=DEFAULT_MIN_NUMEL))
-        16777216
-    """
-    if config.min_numel is not None:
-        return config.min_numel
-    if config.backend in ("triton", "cublas") or (
-            config.backend == "auto" and _fp8_gpu_present()):
-        return DEFAULT_MIN_NUMEL
-    if numel is not None and numel < DEFAULT_MIN_NUMEL:
-        _state.log_once(logging.getLogger("fp8boost.fp8"), "min-numel-waived",
-                        "fp8boost: no FP8 tensor cores (emulated FP8): the default size filter "
-                        f"min_numel={DEFAULT_MIN_NUMEL} (a speed rule) is not applied, so every "
-                        "eligible layer runs FP8 numerics; set min_numel explicitly to filter",
-                        level=logging.INFO)
-    return 0
-
-
-def _fp8_gpu_present() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    return any(torch.cuda.get_device_capability(i) >= (8, 9)
-               for i in range(torch.cuda.device_count()))
 
 
 class Fp8Conv1D(Fp8Linear):

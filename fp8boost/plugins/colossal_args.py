@@ -200,7 +200,7 @@ def _check_scheduler_nodes(nodes: object, pp_size: int, pp_style: str,
 def _check_ckpt_config(config: object):
     if config is None:
         return None
-    from fp8boost.colossal.shardformer import GradientCheckpointConfig
+    from .grad_ckpt_config import GradientCheckpointConfig
     if not isinstance(config, GradientCheckpointConfig):
         raise TypeError("gradient_checkpoint_config must be a fp8boost.colossal.shardformer."
                         "(Pipeline)GradientCheckpointConfig or None, got "

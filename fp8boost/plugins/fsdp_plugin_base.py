@@ -113,7 +113,7 @@ class FsdpPluginBase(Plugin):
             report.not_fp8(PARAM_ALL_GATHER, "fp8_communication=False")
             return report
         from fp8boost.fp8 import is_fp8_layer
-        from fp8boost.fp8.moe.comm import report_expert_gather
+        from fp8boost.parallel.comm.expert_gather import report_expert_gather
         from fp8boost.parallel.comm.config import Fp8CommConfig
         from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather
 

@@ -81,7 +81,7 @@ def plan_checkpointing(model_or_layers, config, layout=None) -> Optional[list[bo
     """
     if config is None:
         return None
-    from fp8boost.colossal.shardformer import PipelineGradientCheckpointConfig
+    from .grad_ckpt_config import PipelineGradientCheckpointConfig
 
     layers = model_or_layers if isinstance(model_or_layers, Sequence) \
         else decoder_layers(model_or_layers)

@@ -356,7 +356,7 @@ class HybridParallelPlugin(Plugin):
         opt.bind_fp8_layers(model)
         self.comm_report = opt.comm_report
         if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
-            from fp8boost.fp8.moe.comm import report_expert_gather
+            from fp8boost.parallel.comm.expert_gather import report_expert_gather
             report_granular_gather(self.comm_report, "HybridParallelPlugin", model,
                                    opt.dp_world, self.comm_config)
             report_expert_gather(self.comm_report, "HybridParallelPlugin", model)

@@ -20,7 +20,7 @@ from .plugin_base import Plugin
 from .precision import MIXED_PRECISIONS
 
 if TYPE_CHECKING:
-    from fp8boost.booster.mixed_precision import MixedPrecision
+    from .mixed_precision import MixedPrecision
 
 
 class LocalPlugin(Plugin):

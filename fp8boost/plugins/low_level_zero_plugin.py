@@ -133,7 +133,7 @@ class LowLevelZeroPlugin(Plugin):
             fp8_reduce_scatter=self.fp8_reduce_scatter)
         self.comm_report = opt.comm_report
         if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
-            from fp8boost.fp8.moe.comm import report_expert_gather
+            from fp8boost.parallel.comm.expert_gather import report_expert_gather
             report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model,
                                    opt.dp_world, self.comm_config)
             report_expert_gather(self.comm_report, "LowLevelZeroPlugin", model)

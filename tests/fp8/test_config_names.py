@@ -9,6 +9,7 @@ from torch import nn
 
 from fp8boost.fp8 import Fp8Config, convert_to_fp8, fp8_layers, is_fp8_layer
 from fp8boost.fp8 import convert as conv
+from fp8boost.fp8 import min_numel
 from fp8boost.fp8.config import DEFAULT_MIN_NUMEL
 
 
@@ -18,7 +19,7 @@ def _small() -> nn.Module:
 
 def test_min_numel_none_is_the_library_default_and_an_explicit_default_value_applies(
         monkeypatch):
-    monkeypatch.setattr(conv, "_fp8_gpu_present", lambda: False)
+    monkeypatch.setattr(min_numel, "_fp8_gpu_present", lambda: False)
     assert Fp8Config().min_numel is None
     # Unset: a speed rule, waived without FP8 tensor cores.
     assert conv.min_numel_limit(Fp8Config(backend="emulated")) == 0
@@ -30,7 +31,7 @@ def test_min_numel_none_is_the_library_default_and_an_explicit_default_value_app
     assert not rep.converted and f"min_numel={DEFAULT_MIN_NUMEL}" in rep.skipped["0"]
     # Unset on FP8 hardware: the default applies.
     assert conv.min_numel_limit(Fp8Config(backend="cublas")) == DEFAULT_MIN_NUMEL
-    monkeypatch.setattr(conv, "_fp8_gpu_present", lambda: True)
+    monkeypatch.setattr(min_numel, "_fp8_gpu_present", lambda: True)
     assert conv.min_numel_limit(Fp8Config()) == DEFAULT_MIN_NUMEL
 
 

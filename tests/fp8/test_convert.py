@@ -79,20 +79,20 @@ def test_default_size_filter_is_waived_without_fp8_hardware(monkeypatch):
     """min_numel is a speed rule: with emulated FP8 (no FP8 tensor cores) its *default* would
     silently turn use_fp8=True into BF16 on every small model, so it is not applied there; an
     explicit min_numel, or a hardware backend, keeps it."""
-    from fp8boost.fp8 import convert as conv
+    from fp8boost.fp8 import min_numel
 
     def small():
         return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
 
     assert len(convert_to_fp8(small(), Fp8Config(backend="emulated")).converted) == 2
-    monkeypatch.setattr(conv, "_fp8_gpu_present", lambda: False)
+    monkeypatch.setattr(min_numel, "_fp8_gpu_present", lambda: False)
     assert len(convert_to_fp8(small(), Fp8Config()).converted) == 2  # auto on a CPU machine
     rep = convert_to_fp8(small(), Fp8Config(backend="emulated", min_numel=4096 * 4096 - 1))
     assert not rep.converted and "min_numel" in rep.skipped["0"]  # explicit: applied
     for backend in ("triton", "cublas"):  # a hardware backend: where the rule was measured
         rep = convert_to_fp8(small(), Fp8Config(backend=backend))
         assert not rep.converted and "min_numel" in rep.skipped["1"], backend
-    monkeypatch.setattr(conv, "_fp8_gpu_present", lambda: True)
+    monkeypatch.setattr(min_numel, "_fp8_gpu_present", lambda: True)
     from fp8boost import _state
     _state.reset()  # the "nothing converted" warning is once per reason and process
     with pytest.warns(UserWarning, match="no linear layer was converted"):

@@ -381,10 +381,12 @@ def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(mon
         spec = find_expert_spec(hf)
         fp8 = Fp8Experts(copy.deepcopy(hf), spec, Fp8Config(backend="emulated"))
         with pytest.warns(UserWarning, match=r"keep BF16 .*\(fp8 3.00 ms, fp8_wgrad_hp 2.00 ms"):
-            assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm") == "bf16"
+            assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm",
+                                 experts_mod.forward_with) == "bf16"
         assert sorted(set(ran)) == ["bf16", "fp8", "fp8_wgrad_hp"] and choice.top_k_of(fp8) == 2
         n = len(ran)
-        assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm") == "bf16"
+        assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm",
+                                 experts_mod.forward_with) == "bf16"
         assert len(ran) == n  # cached: not timed again
         forced = Fp8Experts(copy.deepcopy(hf), spec, Fp8Config(backend="emulated", min_numel=0))
         assert choice.candidates(forced.fp8_config, "scaled_grouped_mm") == ["fp8",
@@ -419,7 +421,8 @@ def test_precision_timing_failure_warns_and_keeps_fp8(monkeypatch):
         hf = tiny("mixtral").model.layers[0].mlp.experts
         fp8 = Fp8Experts(hf, find_expert_spec(hf), Fp8Config(backend="emulated"))
         with pytest.warns(UserWarning, match="simulated out of memory.*train in fp8"):
-            assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm") == "fp8"
+            assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm",
+                                 experts_mod.forward_with) == "fp8"
     finally:
         _state.reset()
         tuning.set_autotune(autotune)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..granular.quantize import GranularFp8
+from ..granular.operand import GranularFp8
 from ..scaling import FP8_DTYPES, fp8_max
 from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
 from .tuning import ConfigCache, bucket, interpreting

@@ -26,15 +26,18 @@ Off the GPU backend (CPU, ``emulated``) nothing is timed: ``fp8`` unless ``exper
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
+from torch import nn
 
 from ... import _state
 from ..kernels.tuning import ConfigCache
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .experts import Fp8Experts
+# forward(experts, x, top_k_index, top_k_weights, precision, device) -> y: the experts module's
+# forward in a given precision, handed in by the module (this file never imports it).
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, str, torch.device],
+                   torch.Tensor]
 
 TOKENS = 8192
 """Tokens of the timed forward + backward (a micro-batch of 2 x 4096 or 4 x 2048)."""
@@ -65,15 +68,16 @@ def candidates(config, backend: str) -> list[str]:
     return out
 
 
-def top_k_of(experts: "Fp8Experts") -> int:
+def top_k_of(experts: nn.Module) -> int:
     """The experts per token of the module's model config (2 if it carries none)."""
     cfg = getattr(experts.hf_module, "config", None)
     k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k", None)
     return int(k) if isinstance(k, int) and 0 < k <= experts.spec.num_experts else 2
 
 
-def choose(experts: "Fp8Experts", device: torch.device, backend: str) -> str:
-    """The precision ``experts`` train in on ``device`` (one of :data:`PRECISIONS`)."""
+def choose(experts: nn.Module, device: torch.device, backend: str, forward: Forward) -> str:
+    """The precision ``experts`` (an ``Fp8Experts``) train in on ``device`` (one of
+    :data:`PRECISIONS`), timing ``forward`` in each candidate precision."""
     cands = candidates(experts.fp8_config, backend)
     if len(cands) == 1:
         return cands[0]
@@ -82,7 +86,7 @@ def choose(experts: "Fp8Experts", device: torch.device, backend: str) -> str:
     k = top_k_of(experts)
     key = (spec.num_experts, spec.hidden, spec.intermediate, k, weight.dtype, device.index)
     try:
-        run = _timed_step(experts, device, k)
+        run = _timed_step(experts, device, k, forward)
         choice = _CACHE.pick(key, cands, run)
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory in every candidate
         cause = exc.__cause__ or exc
@@ -111,13 +115,11 @@ def _report(key, choice: str, timings, device: torch.device) -> None:
                         level=logging.INFO)
 
 
-def _timed_step(experts: "Fp8Experts", device: torch.device, k: int):
+def _timed_step(experts: nn.Module, device: torch.device, k: int, forward: Forward):
     """``run(precision)``: one forward + backward of the module on random routed tokens.
 
     Gradients come back from ``torch.autograd.grad`` (never accumulated into ``.grad``).
     """
-    from .experts import forward_with
-
     spec = experts.spec
     w_up, w_down = getattr(experts, spec.gate_up), getattr(experts, spec.down)
     g = torch.Generator(device=device).manual_seed(0)
@@ -130,7 +132,7 @@ def _timed_step(experts: "Fp8Experts", device: torch.device, k: int):
 
     def run(precision: str) -> None:
         xg = x.detach().requires_grad_()
-        y = forward_with(experts, xg, idx, weights, precision, device)
+        y = forward(experts, xg, idx, weights, precision, device)
         torch.autograd.grad(y, [xg, *params], dy)
 
     return run

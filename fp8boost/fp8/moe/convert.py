@@ -29,7 +29,7 @@ def experts_skip_reason(spec: ExpertSpec, config) -> Optional[str]:
         >>> experts_skip_reason(spec, Fp8Config(backend="emulated"))
         'expert width 40 or hidden size 64 not divisible by 16 (FP8 tensor-core alignment)'
     """
-    from ..convert import min_numel_limit  # the one place that resolves min_numel
+    from ..min_numel import min_numel_limit  # the one place that resolves min_numel
 
     h, i = spec.hidden, spec.intermediate
     if h % 16 or i % 16:

@@ -159,7 +159,7 @@ class Fp8Experts(nn.Module):
         cached = self._grouped_options
         if cached is None or cached[0] != device:
             backend = resolve_backend(self.fp8_config, device)
-            self.precision = choose(self, device, backend)
+            self.precision = choose(self, device, backend, forward_with)
             self._grouped_options = cached = (device, _options(self.fp8_config, backend,
                                                                 self.precision))
         return cached[1]

@@ -1,5 +1,7 @@
 """Why the weights of FP8 experts are all-gathered in the training dtype (ZeRO, FSDP2).
 
+(A communication decision: it lives in ``parallel/comm/``, beside the report it writes.)
+
 The FP8 parameter all-gathers (``fp8_communication=True``: FSDP2's, ZeRO's) send a weight as
 FP8 bytes with one scale per tensor, for layers whose GEMM takes that tensorwise FP8 weight
 as it arrives. :class:`~fp8boost.fp8.moe.experts.Fp8Experts` re-quantizes its 3-D weights with
@@ -13,8 +15,9 @@ from __future__ import annotations
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.fp8.moe.experts import fp8_experts
 
-from .experts import fp8_experts
+from .report import PARAM_ALL_GATHER
 
 __all__ = ["EXPERT_GATHER_WHY", "report_expert_gather"]
 
@@ -35,8 +38,6 @@ def report_expert_gather(report, where: str, model: nn.Module) -> int:
         >>> report_expert_gather(CommReport(), "GeminiPlugin", nn.Linear(2, 2))
         0
     """
-    from fp8boost.parallel.comm.report import PARAM_ALL_GATHER
-
     n = len(fp8_experts(model))
     if not n:
         return 0
