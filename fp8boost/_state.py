@@ -35,13 +35,16 @@ match again. The step hook stays registered.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
+import sys
 import threading
 import warnings
 import weakref
 from types import MappingProxyType
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 SETTING_DEFAULTS: Mapping[str, object] = MappingProxyType({
     # Time every candidate config of a kernel on a new shape (off: take the first; tests).
@@ -74,13 +77,16 @@ def _rank() -> int:
         return 0
 
 
-def warn_once(key: Hashable, message: str, stacklevel: int = 3, all_ranks: bool = False) -> None:
+def warn_once(key: Hashable, message: str, stacklevel: Optional[int] = None,
+              all_ranks: bool = False) -> None:
     """Emit ``warnings.warn(message)`` the first time ``key`` is seen in this job.
 
     Args:
         key: the reason; each key warns once per process.
         message: the warning text.
-        stacklevel: as ``warnings.warn``.
+        stacklevel: as ``warnings.warn``. None (default): the first frame outside fp8boost and
+            torch, i.e. the user's line that led here; Python prints that line under the
+            warning, where a fixed level printed a line of fp8boost's own source.
         all_ranks: warn on every rank. The default warns on rank 0 only, for conditions that
             are the same on every rank (an 8-GPU job printed each fallback 8 times).
     """
@@ -93,7 +99,24 @@ def warn_once(key: Hashable, message: str, stacklevel: int = 3, all_ranks: bool 
             return
         _WARNED.add(key)
     if all_ranks or _rank() == 0:
-        warnings.warn(message, stacklevel=stacklevel)
+        warnings.warn(message, stacklevel=stacklevel or _outside_stacklevel())
+
+
+def _outside_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, called from :func:`warn_once`, of the first frame whose
+    file is not under fp8boost/, torch/ or contextlib (1 would be warn_once itself)."""
+    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep, contextlib.__file__]
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and getattr(torch_mod, "__file__", None):
+        prefixes.append(os.path.dirname(torch_mod.__file__) + os.sep)
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # warn_once's frame: level 1
+    level = 1
+    while frame is not None and frame.f_back is not None and \
+            frame.f_code.co_filename.startswith(tuple(prefixes)):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def log_once(logger: logging.Logger, key: Hashable, message: str,

@@ -62,5 +62,6 @@ def disable_kv_cache(model: nn.Module) -> int:
     if switched:
         _state.log_once(logger, ("kv-cache-off", type(model).__name__),
                         f"fp8boost: training {type(model).__name__} with use_cache=False (no KV "
-                        "cache is built in training; pass use_cache=True to generate())")
+                        "cache is built in training; pass use_cache=True to generate())",
+                        level=logging.DEBUG)  # routine: was a WARNING on every run (issue 39)
     return switched

@@ -177,3 +177,25 @@ def test_kept_containers_are_the_documented_ones():
     doc = _state.__doc__
     for what in ("step epoch", "process groups", "named cache", "tracked", "setting"):
         assert what in doc, what
+
+
+def test_warn_once_points_at_the_users_line():
+    """A one-time warning is attributed to the first frame outside fp8boost and torch (the
+    user's call), so Python prints the user's line under it, not a line of fp8boost's source
+    (issue 39: a stray ``self._fp8_backend = get_backend(...)`` under the emulation warning)."""
+    import warnings
+
+    from fp8boost.fp8 import Fp8Config
+    from fp8boost.fp8.moe.gemm import resolve_backend
+
+    _state.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert resolve_backend(Fp8Config(), torch.device("cpu")) == "emulated"  # warns once
+    assert len(seen) == 1 and "emulated grouped GEMM" in str(seen[0].message)
+    assert seen[0].filename == __file__, seen[0].filename
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _state.warn_once(("test-explicit-level",), "direct", stacklevel=1)
+    assert seen[0].filename.endswith("_state.py")  # an explicit level is kept as given
+    _state.reset()

@@ -26,9 +26,11 @@ from .wrappers import DTYPES, cast_buffers_, cast_params_
 logger = logging.getLogger("fp8boost.plugins")
 
 #: Why gradients do not reduce-scatter in FP8 by default (BENCHMARKS.md section 5).
-FP8_RS_REASON = ("FP8 reduce-scatter measured slower than FP32/BF16 on 2xH200 NVLink at every "
-                 "size up to 256 MB (0.11x at 16 MB, 0.52x at 256 MB; casts included), so "
-                 "gradients reduce-scatter in FP32; pass fp8_reduce_scatter=True for slow links")
+# (2xH200 NVLink: 0.11x at 16 MB, 0.52x at 256 MB, casts included.) One line: every comm
+# report prints it.
+FP8_RS_REASON = ("gradients reduce-scatter in FP32: FP8 reduce-scatter measured slower on "
+                 "NVLink (BENCHMARKS.md 5); the plugin's fp8_reduce_scatter=True is for slow "
+                 "links")
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],

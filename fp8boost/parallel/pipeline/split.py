@@ -173,7 +173,7 @@ class DecoderStage(nn.Module):
         masks = self._masks(h, batch, seq, attention_mask, position_ids)
         for i, layer in zip(self.layer_ids, self.layers):
             out = layer(h, attention_mask=masks[self.kinds[i]], position_embeddings=rope,
-                        position_ids=position_ids, past_key_values=None, use_cache=False)
+                        position_ids=position_ids, use_cache=False)  # no cache: its default
             h = out[0] if isinstance(out, tuple) else out
         if self.head is not None:
             return self.head(self.norm(h))
@@ -185,13 +185,14 @@ class DecoderStage(nn.Module):
         # The mask helpers read only batch, query length, dtype and device from inputs_embeds;
         # under sequence parallelism h holds a sequence shard, so give them the full length.
         shape_only = torch.empty((batch, seq, 1), dtype=h.dtype, device=h.device)
-        kw = dict(config=self.config, inputs_embeds=shape_only, attention_mask=attention_mask,
-                  past_key_values=None, position_ids=position_ids)
         out = {}
         for kind in set(self.kinds.values()):
             fn = create_sliding_window_causal_mask if kind == "sliding_attention" else \
                 create_causal_mask
-            out[kind] = fn(**kw)
+            # The cache (None) goes by position: transformers 5.17 names it past_key_values,
+            # 5.24 cache (and warns a FutureWarning on every rank for the old name).
+            out[kind] = fn(self.config, shape_only, attention_mask, None,
+                           position_ids=position_ids)
         return out
 
 

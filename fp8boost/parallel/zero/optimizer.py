@@ -273,10 +273,11 @@ class ZeroOptimizer(MasterWeightOptimizer):
         self.fp8_direct.bind(model)
 
 
-GRAD_RS_WHY = ("gradients reduce in their own dtype: FP8 reduce-scatter including its casts "
-               "measured 0.21-0.52x of BF16 at 64-256 MB on 2xH200 NVLink, and ZeRO-2 trained "
-               "slower with FP8 gradients than with BF16 ones (44.6k vs 45.7k tokens/s/GPU, "
-               "BENCHMARKS.md 4d); pass fp8_reduce_scatter=True for slow links")
+# One line: it is printed in every comm report (the figures are in BENCHMARKS.md 4d: FP8
+# reduce-scatter with its casts 0.21-0.52x BF16 at 64-256 MB, ZeRO-2 44.6k vs 45.7k tok/s/GPU).
+GRAD_RS_WHY = ("gradients reduce in their own dtype: FP8 reduce-scatter measured slower on "
+               "NVLink (BENCHMARKS.md 4d); the plugin's fp8_reduce_scatter=True is for slow "
+               "links")
 
 
 def _comm_report(fp8_communication: bool, fp8_reduce_scatter: bool,
