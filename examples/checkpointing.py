@@ -22,9 +22,10 @@ The data position is the step: batches are a pure function of ``(seed, rank, ste
 micro_step)`` (see ``data.TokenWindows``). ``trainer_state.json`` records it with what defines
 the stream (``data_position``); a resume that changes any of those is warned about.
 
-``--resume auto`` takes :func:`complete_checkpoints` newest first (the library's
-``latest_checkpoint`` rule: ``*.partial`` and hidden temp folders are skipped) and falls back
-to the next one when a checkpoint fails verification.
+``--resume auto`` takes the checkpoint ``latest`` names, then the older complete ones
+(:func:`auto_candidates`; ``*.partial`` and hidden temp folders are skipped, as in the
+library's ``latest_checkpoint``), falling back to the next one when a checkpoint fails
+verification.
 
 ``--keep-last N`` (:func:`prune_checkpoints`, rank 0, after a save completed on every rank)
 keeps the newest N complete checkpoints and deletes older ones, but never the checkpoint the
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from fp8boost.plugins.checkpoint_io import complete_checkpoints as _complete
 from fp8boost.plugins import checkpoint_io as cio
+from fp8boost.plugins.checkpoint_io.checksums import recorded_checksums
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -151,9 +153,27 @@ def complete_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
     return _complete(save_dir, marker=STATE_FILE)
 
 
-def latest_complete(save_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of ``save_dir``, or None."""
+def auto_candidates(save_dir: str | os.PathLike) -> list[Path]:
+    """What ``--resume auto`` tries, in order: the checkpoint ``<save_dir>/latest`` names (the
+    last one this run completed), then the complete ones of earlier steps, newest first.
+
+    A checkpoint numbered past ``latest`` is not this run's continuation (a run resumed from an
+    older step leaves the later steps of its first attempt behind until it overwrites them), so
+    it is never taken. With no ``latest`` file (or one naming an incomplete folder) every
+    complete checkpoint is a candidate, newest first.
+    """
     found = complete_checkpoints(save_dir)
+    latest = Path(save_dir) / LATEST_FILE
+    name = latest.read_text().strip() if latest.is_file() else ""
+    target = Path(save_dir) / name
+    if not name or target not in found:
+        return found
+    return found[found.index(target):]  # newest first: what follows is older
+
+
+def latest_complete(save_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint ``--resume auto`` would take first (:func:`auto_candidates`), or None."""
+    found = auto_candidates(save_dir)
     return found[0] if found else None
 
 
@@ -176,7 +196,7 @@ def prune_checkpoints(save_dir: str | os.PathLike, keep_last: int,
         return []
     keep = Path(protect).resolve() if protect is not None else None
     removed = []
-    for ckpt in complete_checkpoints(save_dir)[keep_last:]:
+    for ckpt in auto_candidates(save_dir)[keep_last:]:  # never one numbered past latest
         if keep is not None and ckpt.resolve() == keep:
             continue
         doomed = ckpt.with_name(f".{ckpt.name}.deleting")
@@ -185,6 +205,30 @@ def prune_checkpoints(save_dir: str | os.PathLike, keep_last: int,
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(ckpt)
     return removed
+
+
+def check_file_sizes(ckpt: Path) -> None:
+    """Every file the checkpoint's indexes record exists with its saved size: a truncated or
+    missing file is found in milliseconds, before the model is built (the load still verifies
+    each SHA-256).
+
+    Raises:
+        cio.CheckpointCorruptError: naming each such file and the fix.
+    """
+    problems = []
+    for sub in (ckpt, ckpt / "model", ckpt / "optimizer"):
+        for name, want in sorted(recorded_checksums(str(sub)).items()):
+            path = sub / name
+            size = path.stat().st_size if path.is_file() else None
+            if size is None:
+                problems.append(f"{path} is missing")
+            elif size != want.get("size", size):
+                problems.append(f"{path} has {size} bytes, {want['size']} were saved "
+                                "(truncated)")
+    if problems:
+        raise cio.CheckpointCorruptError(
+            f"checkpoint {ckpt} is incomplete: {'; '.join(problems)}; restore these files from "
+            "a copy, or resume from an older checkpoint")
 
 
 def warn_if_stream_changed(state: dict[str, Any], now: dict[str, Any]) -> None:
@@ -198,8 +242,18 @@ def warn_if_stream_changed(state: dict[str, Any], now: dict[str, Any]) -> None:
 
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    """The JSON trainer state of a checkpoint folder."""
-    return json.loads((ckpt / STATE_FILE).read_text())
+    """The JSON trainer state of a checkpoint folder.
+
+    Raises:
+        cio.CheckpointCorruptError: the file is not JSON (truncated or altered), naming it.
+    """
+    path = ckpt / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise cio.CheckpointCorruptError(
+            f"{path} is truncated or altered ({exc}); resume from an intact checkpoint "
+            "(--resume auto skips to the next older one)") from None
 
 
 def load_checkpoint(booster, model, optimizer, lr_scheduler, ckpt: Path, rank: int,

@@ -20,6 +20,7 @@ import hybrid
 import metrics as metrics_lib
 import moe
 import presets
+import run_checks
 from model_setup import MODEL_FAMILIES, check_model_folder
 
 PLUGINS = ("none", "ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid", "moe")
@@ -162,7 +163,8 @@ def _add_logging_arguments(p: argparse.ArgumentParser) -> None:
     """The "logging and checkpoints" group."""
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--out-dir", default=None,
-                   help="folder of metrics.jsonl, summary.json and checkpoints (default: "
+                   help="folder of metrics.jsonl, summary.json and checkpoints, one run per "
+                        "folder: one that holds a run needs --resume (default: "
                         "runs/<timestamp>)")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validation interval (default: --steps/10, or only at the end below "
@@ -176,11 +178,13 @@ def _add_logging_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-last", type=int, default=0, metavar="N",
                    help="keep the newest N complete checkpoints: after each save has "
                         "completed, older ones are deleted (by rank 0), never the one this run "
-                        "resumed from nor an unfinished *.partial; 0 keeps every checkpoint")
+                        "resumed from nor an unfinished *.partial; 0 keeps every checkpoint, "
+                        "2 or more leave --resume auto one to fall back to")
     g.add_argument("--resume", default=None,
-                   help="checkpoint folder, a save dir (its latest), or 'auto': the newest "
-                        "complete checkpoint in --save-dir (default <out-dir>/checkpoints) if "
-                        "any, else a fresh start; for torchrun --max-restarts")
+                   help="checkpoint folder, a save dir (its latest), or 'auto': the checkpoint "
+                        "that the 'latest' file of --save-dir (default <out-dir>/checkpoints) "
+                        "names, or an older one if it is damaged, else a fresh start; for "
+                        "torchrun --max-restarts")
     g.add_argument("--tensorboard", action="store_true",
                    help="also log to TensorBoard (<out-dir>/tensorboard; needs tensorboard)")
 
@@ -271,6 +275,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
                          "more")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}; pass a positive --lr, e.g. 3e-4")
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {args.val_fraction}; pass the "
+                         "fraction of the text held out for validation, e.g. 0.05 (0: none)")
     if not 0.0 <= args.min_lr_ratio <= 1.0:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}; pass a "
                          "fraction of the peak lr")
@@ -308,6 +315,8 @@ def _check_files_and_faults(args: argparse.Namespace, world_size: int) -> None:
         metrics_lib.check_tensorboard()
     if args.model_path is not None:
         check_model_folder(args.model_path)
+    run_checks.check_inputs(args, save_dir_of(args, Path(args.out_dir) if args.out_dir
+                                              else None))
     if args.resume is not None:
         check_resume(args)
 
@@ -320,11 +329,12 @@ def save_dir_of(args: argparse.Namespace, out_dir: Optional[Path]) -> Optional[P
 
 
 def check_resume(args: argparse.Namespace) -> None:
-    """The checkpoint must be complete, before ``--steps`` and of the same model.
+    """The checkpoint must be complete (every file of its saved size), before ``--steps``
+    and of the same model.
 
     ``--resume auto`` needs a fixed folder (``--out-dir`` or ``--save-dir``: a restarted job
     must find what the dead one saved); with no checkpoint there yet it starts afresh, and a
-    run whose newest checkpoint is at ``--steps`` is already finished (nothing to check).
+    run whose ``latest`` checkpoint is at ``--steps`` is already finished (nothing to check).
     """
     if args.resume == "auto":
         folder = save_dir_of(args, Path(args.out_dir) if args.out_dir else None)
@@ -332,14 +342,16 @@ def check_resume(args: argparse.Namespace) -> None:
             raise ValueError("--resume auto looks for checkpoints in --save-dir (default "
                              "<out-dir>/checkpoints): pass --out-dir or --save-dir, the same in "
                              "every launch")
-        found = checkpointing.complete_checkpoints(folder)
+        found = checkpointing.auto_candidates(folder)
         if not found:
             return
         state = checkpointing.read_trainer_state(found[0])
         if state["step"] >= args.steps:
             return  # finished: train() says so and exits
     else:
-        state = checkpointing.read_trainer_state(checkpointing.resolve_checkpoint(args.resume))
+        ckpt = checkpointing.resolve_checkpoint(args.resume)
+        state = checkpointing.read_trainer_state(ckpt)
+        checkpointing.check_file_sizes(ckpt)  # a truncated file: before the model is built
     if state["step"] >= args.steps:
         raise ValueError(f"the checkpoint is at step {state['step']}, not before --steps "
                          f"{args.steps}; raise --steps to train further")

@@ -104,6 +104,24 @@ def _short(value: Any) -> str:
     return str(value)
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrite ``path`` (atomically) without its records past ``step``; returns how many went.
+
+    A run resumed from the checkpoint of ``step`` logs the later steps again: without this the
+    file would hold two rows of each step the first attempt logged after its last checkpoint.
+    """
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(lines) - len(kept)
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``path`` (rank 0 only), flushed every line so a
     crashed run keeps its metrics. Opened in append mode: a resumed run continues the file."""
@@ -147,8 +165,8 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path, title: str = "") -> Option
                       f"(the metrics are in {jsonl_path}; pip install matplotlib)", stacklevel=2)
         return None
     records = read_jsonl(jsonl_path)
-    # A run resumed into the same out dir appends steps it had already logged before it
-    # died: the later record of a step wins.
+    # A resumed run drops the records past its checkpoint (drop_records_after); should a
+    # step still appear twice (a file edited by hand), the later record wins.
     train = sorted({r["step"]: r["loss"] for r in records if r.get("kind") == "train"}.items())
     val = sorted({r["step"]: r["val_loss"] for r in records if r.get("kind") == "eval"}.items())
     fig, ax = plt.subplots(figsize=(7, 4))

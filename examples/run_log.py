@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+import checkpointing
 import hybrid
 import metrics as metrics_lib
 
@@ -46,6 +47,8 @@ class RunLogger:
 
     def __init__(self, out_dir: Path, args: argparse.Namespace, start_step: int, enabled: bool,
                  flops_per_token: int, world_size: int) -> None:
+        if enabled:  # a resumed run logs the steps after its checkpoint again
+            metrics_lib.drop_records_after(out_dir / "metrics.jsonl", start_step)
         self.writer = metrics_lib.MetricsWriter(out_dir / "metrics.jsonl", enabled=enabled)
         self.tensorboard = metrics_lib.TensorBoardWriter(
             out_dir / "tensorboard", enabled=enabled and args.tensorboard)
@@ -59,11 +62,13 @@ class RunLogger:
         self.world_size = world_size
         self.step_times: list[float] = []
         self.losses: list[float] = []
+        self.last_step = start_step  # the last step logged
         self.t0 = time.perf_counter()
 
     def step(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
              seconds: float, mem_gib: float, skipped: bool = False) -> None:
         self.step_times.append(seconds)
+        self.last_step = step
         if skipped:  # a non-finite step the guard skipped: logged, kept out of the summary
             self.writer.write(dict(kind="train", step=step, loss=None, skipped=True, lr=lr))
             self.progress.write(f"[train] step {step}: non-finite loss/gradient, step skipped")
@@ -107,16 +112,18 @@ def announce(logger: RunLogger, message: str) -> None:
 
 
 def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
-              args: argparse.Namespace, start_step: int) -> dict[str, Any]:
+              args: argparse.Namespace, start_step: int,
+              interrupted: bool = False) -> dict[str, Any]:
     """``summary.json``: first/last losses (means of up to 10 steps each, never overlapping),
-    median speed, peak memory."""
+    median speed, peak memory; an interrupted run ends at its last logged step."""
     times = logger.step_times[1:] or logger.step_times  # step 1 pays one-off warm-up costs
     median = statistics.median(times) if times else float("nan")
     tok_s = logger.tokens_per_step / median if times else float("nan")
     # A run of <= 20 steps gets shorter windows: overlapping ones printed "loss a -> a".
     window = max(1, min(10, len(logger.losses) // 2))
     summary = dict(
-        steps_run=len(logger.losses), start_step=start_step, end_step=args.steps,
+        steps_run=len(logger.losses), start_step=start_step,
+        end_step=logger.last_step if interrupted else args.steps, interrupted=interrupted,
         loss_window=window,
         first_loss=statistics.fmean(logger.losses[:window]) if logger.losses else None,
         last_loss=statistics.fmean(logger.losses[-window:]) if logger.losses else None,
@@ -133,12 +140,17 @@ def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
     return summary
 
 
+def _plot(out_dir: Path, args: argparse.Namespace) -> Optional[Path]:
+    """``loss.png`` from ``metrics.jsonl`` (None without matplotlib)."""
+    title = f"{args.preset} {args.plugin} {'fp8' if args.use_fp8 else args.precision}"
+    return metrics_lib.plot_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss.png", title)
+
+
 def finish(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
            args: argparse.Namespace, start_step: int) -> dict[str, Any]:
     """Rank 0: summary.json, the loss plot and a closing line."""
     summary = summarize(logger, val_loss, out_dir, args, start_step)
-    title = f"{args.preset} {args.plugin} {'fp8' if args.use_fp8 else args.precision}"
-    png = metrics_lib.plot_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss.png", title)
+    png = _plot(out_dir, args)
     val = f"{val_loss:.3f}" if val_loss is not None else "n/a"
     if summary["steps_run"] < 2:
         losses = f"loss {summary['last_loss']:.3f} ({summary['steps_run']} step)"
@@ -149,4 +161,19 @@ def finish(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
     print(f"[train] done: {losses}, validation {val}, "
           f"{summary['tokens_per_s']:.0f} tokens/s, metrics in {out_dir}"
           + (f", plot {png}" if png else ""), flush=True)
+    return summary
+
+
+def finish_interrupted(logger: RunLogger, out_dir: Path, args: argparse.Namespace,
+                       start_step: int, save_dir: Path) -> dict[str, Any]:
+    """Rank 0 after Ctrl-C: the partial run's summary.json and loss plot, and one line saying
+    where they are and how the run continues."""
+    summary = summarize(logger, None, out_dir, args, start_step, interrupted=True)
+    png = _plot(out_dir, args)
+    ckpt = checkpointing.latest_complete(save_dir)
+    then = (f"--resume auto continues from {ckpt.name}" if ckpt is not None else
+            "no checkpoint was saved (--save-every N makes a run resumable)")
+    print(f"[train] interrupted (Ctrl-C) after step {logger.last_step} of {args.steps}: "
+          f"summary.json{', loss.png' if png else ''} and metrics.jsonl of the partial run "
+          f"are in {out_dir}; {then}", flush=True)
     return summary

@@ -19,8 +19,9 @@ import data as data_lib
 import hybrid
 import metrics as metrics_lib
 import moe
+import run_checks
 from booster_setup import make_booster
-from cli import save_dir_of
+from cli import UsageError, save_dir_of
 from model_setup import build_model, cosine_with_warmup, make_optimizer, prepare_model
 
 SHARDED_PLUGINS = ("gemini", "fsdp")  # FSDP2: a --model-path model is loaded shard by shard
@@ -42,6 +43,7 @@ class Run:
     vocab_size: int = 0  # the model's: every token id must be below it
     data_rank: int = 0  # batches are drawn by it (hybrid: the replica, see hybrid.data_rank)
     fp8_coverage: Optional[dict] = None  # moe.fp8_coverage of the boosted model
+    val_note: Optional[str] = None  # why there is no validation split (run_checks)
 
 
 def load_corpus(args: argparse.Namespace, seq_len: int) -> tuple[
@@ -95,18 +97,21 @@ def setup(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
     if lazy and resume_state is None:  # a fresh start (--resume auto may find nothing)
         booster.load_model(model, args.model_path)
     index = hybrid.data_rank(args, rank, int(os.environ.get("WORLD_SIZE", "1")))
+    val_note = None if val_windows is not None else \
+        run_checks.validation_note(args, len(train_windows))  # no split: it is all training
     return Run(booster, model, optimizer, lr_scheduler, train_windows, val_windows,
-               resume_state, n_params, fpt, vocab_size, index, moe.fp8_coverage(model))
+               resume_state, n_params, fpt, vocab_size, index, moe.fp8_coverage(model),
+               val_note)
 
 
 def resume_candidates(args: argparse.Namespace) -> list[Path]:
-    """Checkpoints to try, in order: ``--resume DIR`` alone, or for ``--resume auto`` every
-    complete checkpoint of the save dir, newest first (none: a fresh start)."""
+    """Checkpoints to try, in order: ``--resume DIR`` alone, or for ``--resume auto`` the one
+    the save dir's ``latest`` names, then older complete ones (none: a fresh start)."""
     if args.resume is None:
         return []
     if args.resume != "auto":
         return [checkpointing.resolve_checkpoint(args.resume)]
-    return checkpointing.complete_checkpoints(
+    return checkpointing.auto_candidates(
         save_dir_of(args, Path(args.out_dir) if args.out_dir else None))
 
 
@@ -126,7 +131,9 @@ def restore(args: argparse.Namespace, booster: Any, model: Any, optimizer: Any,
                                                   ckpt, rank, device)
         except CheckpointCorruptError as exc:
             if args.resume != "auto" or i + 1 == len(candidates):
-                raise
+                fix = ("--resume auto falls back to the newest intact one" if args.resume
+                       != "auto" else "no older one is left: start afresh in a new --out-dir")
+                raise UsageError(f"--resume {args.resume}: {exc} ({fix})") from exc
             if rank == 0:
                 print(f"[train] {exc}\n[train] --resume auto: trying the older checkpoint "
                       f"{candidates[i + 1]}", flush=True)

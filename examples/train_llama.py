@@ -45,6 +45,7 @@ ranks and devices in ``ranks.py``, run records in ``run_log.py``.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -69,15 +70,17 @@ from ranks import rank_and_device, reduce_mean_max, start_process_group  # noqa:
 from run_log import RunLogger, announce, finish, summarize, write_run_config  # noqa: E402,F401
 from run_setup import (SHARDED_PLUGINS, Run, data_position, finished_already,  # noqa: E402,F401
                        load_corpus, make_out_dir, resume_candidates, restore, setup)
-from training import (RANK0_WARNINGS, clip_gradients, evaluate, run_steps,  # noqa: E402,F401
-                      save_and_prune, train, train_step)
+from training import (RANK0_WARNINGS, Interrupted, clip_gradients,  # noqa: E402,F401
+                      evaluate, run_steps, save_and_prune, train, train_step)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python examples/train_llama.py [options]``.
 
-    Returns 0, or 2 after a bad flag (printed as one line, no traceback: the traceback would
-    only show where the check lives). Any other error propagates with its traceback.
+    Returns 0, 2 after a bad flag (printed as one line, no traceback: the traceback would
+    only show where the check lives), or 130 after Ctrl-C (one line; during training the
+    partial run's summary.json and loss.png are written first). Any other error propagates
+    with its traceback.
     """
     args = parse_args(argv)  # argparse's errors: one line and SystemExit(2) already
     ok = False
@@ -87,6 +90,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UsageError as exc:
         report_usage_error(str(exc))
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback (128 + SIGINT)
+        if not isinstance(exc, Interrupted) and int(os.environ.get("RANK", "0")) == 0:
+            print("[train] interrupted (Ctrl-C) outside the training steps (while starting or "
+                  "closing the run): no partial summary was written", flush=True)
+        return 130
     finally:
         if dist.is_initialized():
             if ok:

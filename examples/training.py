@@ -19,14 +19,20 @@ import faults
 import hybrid
 import metrics as metrics_lib
 import moe
+import run_checks
 from cli import UsageError, validate_args
 from ranks import rank_and_device, reduce_mean_max, start_process_group
-from run_log import RunLogger, announce, finish, write_run_config
+from run_log import (RunLogger, announce, finish, finish_interrupted,
+                     write_run_config)
 from run_setup import Run, data_position, finished_already, make_out_dir, setup
 
 # Warnings every rank would print identically: rank 0 alone says them.
 RANK0_WARNINGS = (r"fp8boost: FP8 tensor cores unavailable", r"fp8boost: no linear layer",
                   r"fp8boost: use_fp8=True but no linear layer")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, after the partial run's records were written and announced."""
 
 
 def clip_gradients(booster: Any, model: Any, optimizer: Any,
@@ -194,10 +200,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         _start_records(args, run, out_dir, start_step, world_size, device)
     logger = RunLogger(out_dir, args, start_step, rank == 0, run.flops_per_token, world_size)
-    val_loss = run_steps(run, args, logger, start_step, out_dir, save_dir, rank, world_size,
-                         device)
-    if run.val_windows is not None and (not args.eval_every or args.steps % args.eval_every):
-        val_loss = evaluate(run, args, world_size, device)
-        logger.eval(args.steps, val_loss)
+    if rank == 0:
+        for note in run_checks.start_notes(args, run, device, logger.tokens_per_step):
+            announce(logger, note)
+    try:
+        val_loss = run_steps(run, args, logger, start_step, out_dir, save_dir, rank,
+                             world_size, device)
+        if run.val_windows is not None and (not args.eval_every
+                                            or args.steps % args.eval_every):
+            val_loss = evaluate(run, args, world_size, device)
+            logger.eval(args.steps, val_loss)
+    except KeyboardInterrupt:
+        logger.close()
+        if rank == 0:
+            finish_interrupted(logger, out_dir, args, start_step, save_dir)
+        raise Interrupted() from None
     logger.close()
     return finish(logger, val_loss, out_dir, args, start_step) if rank == 0 else {}

@@ -101,11 +101,31 @@ def format_environment(env: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def shadowing_folder() -> Optional[str]:
+    """The folder that ``import fp8boost`` found instead of the package, or None.
+
+    Run from the folder above a clone named ``fp8boost``, Python imports that clone (which has
+    no ``__init__.py`` at its top) as an empty namespace package, since the current folder
+    comes first on ``sys.path``; nothing of the package is then defined.
+    """
+    if getattr(fp8boost, "__file__", None) is not None:
+        return None
+    return ", ".join(getattr(fp8boost, "__path__", [])) or "a folder named fp8boost"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Print the environment report (``--json``: as JSON)."""
+    """Print the environment report (``--json``: as JSON); 1 with one line when a folder
+    shadows the package."""
     parser = argparse.ArgumentParser(prog="python -m fp8boost", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
+    shadow = shadowing_folder()
+    if shadow is not None:
+        print(f"python -m fp8boost: the folder {shadow} (a clone of the repository?) shadows "
+              "the installed fp8boost package, because Python imports from the current folder "
+              "first; run the command from another folder, e.g. cd into the clone",
+              file=sys.stderr)
+        return 1
     env = environment()
     print(json.dumps(env, indent=2) if args.json else format_environment(env))
     return 0

@@ -1,0 +1,210 @@
+"""Issue 39 ("the first ten minutes, again") for examples/train_llama.py: one run per
+``--out-dir``, ``--resume auto`` following ``latest``, no duplicate metrics rows after a resume,
+Ctrl-C, and the inputs that printed a traceback or were accepted silently. Each test failed
+before its fix.
+
+A refused command line must be one line naming the cause and the fix, exit status 2, no
+traceback, and (where the check needs no model) come before the model is built: the run's
+first ``[train]`` line (``... params``) is never printed. Subprocess runs are a few steps of
+the tiny preset on 16-token sequences (~3-6 s each on a 2-core CPU, mostly imports).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.examples.example_env import ROOT, SCRIPT, SHORT, example_modules
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The example's modules, imported the way the script imports them."""
+    with example_modules("checkpointing", "run_checks", "train_llama") as (ckpt, checks, tl):
+        yield SimpleNamespace(checkpointing=ckpt, run_checks=checks, train=tl)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *SHORT, *argv], cwd=ROOT, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=240)
+
+
+def _train(*argv: str) -> str:
+    proc = _launch(*argv)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def _assert_refused(proc: subprocess.CompletedProcess, *words: str) -> str:
+    """Exit 2, one error line holding ``words``, no traceback, no model built."""
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout, proc.stdout
+    assert "params, model=" not in proc.stdout, proc.stdout  # refused before the model
+    errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1 and all(w in errors[0] for w in words), proc.stdout
+    return errors[0]
+
+
+def _duplicates(out_dir: Path) -> list:
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = collections.Counter((r["kind"], r["step"]) for r in rows)
+    return [key for key, n in counts.items() if n > 1]
+
+
+# ---------------------------------------------------------------- item 1: one run per folder
+
+
+def test_reused_out_dir_is_refused_and_resume_auto_follows_latest(tmp_path):
+    run = tmp_path / "d"
+    _train("--steps", "4", "--save-every", "2", "--out-dir", str(run))
+    # The issue's second command: the same folder without --resume mixed two runs.
+    line = _assert_refused(_launch("--steps", "2", "--save-every", "1", "--out-dir", str(run)),
+                           "already holds a run", "--resume auto", "new --out-dir")
+    assert "step_00000004" in line
+    # Checkpoints alone in a --save-dir are a run too.
+    _assert_refused(_launch("--steps", "2", "--out-dir", str(tmp_path / "e"), "--save-dir",
+                            str(run / "checkpoints")), "--save-dir", "already holds a run")
+    # Continue from step 2 to 3: latest names step 3, step 4 is the first attempt's leftover.
+    ckpts = run / "checkpoints"
+    _train("--steps", "3", "--save-every", "3", "--out-dir", str(run), "--resume",
+           str(ckpts / "step_00000002"))
+    assert (ckpts / "latest").read_text().strip() == "step_00000003"
+    out = _train("--steps", "5", "--out-dir", str(run), "--resume", "auto")
+    assert f"resumed from {ckpts / 'step_00000003'} (step 3)" in out, out  # was: step 4
+    assert _duplicates(run) == []  # was: steps 3 and 4 twice
+
+
+def test_auto_candidates_start_at_latest_and_never_take_a_later_leftover(ex, tmp_path):
+    for step in (1, 2, 3):
+        folder = tmp_path / f"step_{step:08d}"
+        folder.mkdir()
+        (folder / ex.checkpointing.STATE_FILE).write_text(json.dumps({"step": step}))
+    names = lambda paths: [p.name for p in paths]  # noqa: E731
+    assert names(ex.checkpointing.auto_candidates(tmp_path)) == [
+        "step_00000003", "step_00000002", "step_00000001"]  # no latest: newest first
+    (tmp_path / ex.checkpointing.LATEST_FILE).write_text("step_00000002")
+    assert names(ex.checkpointing.auto_candidates(tmp_path)) == ["step_00000002",
+                                                                 "step_00000001"]
+    # --keep-last keeps the checkpoint latest names, not the leftover numbered past it.
+    ex.checkpointing.prune_checkpoints(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step_00000002", "step_00000003"]
+
+
+def test_refusal_comes_before_the_model_and_allows_resume_and_empty_folders(ex, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    args = ex.train.parse_args(["--out-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="already holds a run \\(metrics.jsonl\\)"):
+        ex.train.validate_args(args, 1)
+    ex.train.validate_args(ex.train.parse_args(["--out-dir", str(tmp_path), "--resume",
+                                                "auto"]), 1)  # torchrun --max-restarts
+    ex.train.validate_args(ex.train.parse_args(["--out-dir", str(tmp_path / "new")]), 1)
+
+
+# --------------------------------------------------------------- item 3: no more tracebacks
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--val-fraction", "1.5"], ["--val-fraction must be in [0, 1), got 1.5", "e.g. 0.05"]),
+    (["--tokenizer", "/nonexistent"], ["--tokenizer '/nonexistent' does not exist",
+                                       "leave --tokenizer out"]),
+    (["--tokenizer", "{tmp}"], ["holds no tokenizer.json", "save_pretrained"]),
+    (["--out-dir", "{tmp}/file"], ["is a file, not a folder", "pass a folder path"]),
+    (["--out-dir", "{tmp}/file/run"], ["lies under the file", "pass a folder path"]),
+    (["--data", "{tmp}/garbage.bin"], ["is not UTF-8 text", "pass a UTF-8 text file"]),
+    (["--warmup-steps", "500", "--steps", "2"], ["--warmup-steps 500 is more than --steps 2",
+                                                 "pass --warmup-steps 1 or less"]),
+])
+def test_bad_input_is_one_line_before_the_model(tmp_path, argv, words):
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "garbage.bin").write_bytes(bytes(range(256)) * 64)  # 0x80..: never UTF-8
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    _assert_refused(_launch(*argv, "--steps", "2"), *words)
+
+
+def test_truncated_file_in_an_explicit_resume_folder_is_one_line(ex, tmp_path):
+    _train("--steps", "2", "--save-every", "2", "--out-dir", str(tmp_path / "a"))
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000002"
+    weights = next((ckpt / "model").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    _assert_refused(_launch("--steps", "4", "--out-dir", str(tmp_path / "b"), "--resume",
+                            str(ckpt)), f"{weights} has 100 bytes", "truncated",
+                    "restore these files")
+    state = ckpt / ex.checkpointing.STATE_FILE
+    state.write_text(state.read_text()[:10])
+    _assert_refused(_launch("--steps", "4", "--out-dir", str(tmp_path / "c"), "--resume",
+                            str(ckpt)), f"{state} is truncated", "--resume auto")
+
+
+def test_ctrl_c_saves_the_partial_run_and_a_resume_logs_no_step_twice(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(SCRIPT), *SHORT, "--steps", "100000", "--save-every", "20",
+           "--out-dir", str(run), "--log-every", "100000"]
+    # SIGINT as a terminal sends it (a background job's SIGINT may be ignored: restore it).
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 180
+    latest = run / "checkpoints" / "latest"
+    while not latest.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)  # a few steps past the checkpoint
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out  # was: an 83-line traceback
+    lines = [line for line in out.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and "--resume auto continues from step_" in lines[0], out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] and summary["end_step"] == summary["steps_run"] > 20
+    assert (run / "loss.png").is_file() or "matplotlib is not installed" in out
+    # Resuming logs the steps after the checkpoint again: each must appear once.
+    resumed = _train("--steps", str(summary["end_step"] + 2), "--out-dir", str(run),
+                     "--resume", "auto")
+    assert "resumed from" in resumed
+    assert _duplicates(run) == []
+
+
+# ---------------------------------------------------------- item 4: nothing accepted silently
+
+
+def test_keep_last_1_and_a_missing_validation_split_say_why(tmp_path):
+    data = tmp_path / "short.txt"
+    data.write_text("to be or not to be, that is the question. " * 60)  # 2640 bytes
+    out = _train("--data", str(data), "--seq-len", "200", "--batch-size", "1", "--steps", "1",
+                 "--save-every", "1", "--keep-last", "1", "--out-dir", str(tmp_path / "r"))
+    notes = [line for line in out.splitlines() if line.startswith("[train] note:")]
+    assert any("--keep-last 1" in n and "--keep-last 2 or more" in n for n in notes), out
+    assert any("no validation" in n and "shorter than one window of --seq-len 200" in n
+               and "lower --seq-len or raise --val-fraction" in n for n in notes), out
+    assert "validation n/a" in out
+
+
+def test_long_sequences_are_explained_or_refused(ex, tmp_path):
+    args = ex.train.parse_args(["--seq-len", "100000"])
+    run = SimpleNamespace(flops_per_token=6e8, val_note=None)
+    notes = ex.run_checks.start_notes(args, run, SimpleNamespace(type="cpu"), 8 * 100000)
+    assert any("TFLOP" in n and "square of --seq-len" in n and "lower --seq-len" in n
+               for n in notes), notes
+    assert ex.run_checks.start_notes(ex.train.parse_args([]), SimpleNamespace(
+        flops_per_token=6e6, val_note=None), SimpleNamespace(type="cpu"), 1024) == []
+    (tmp_path / "config.json").write_text(json.dumps({"n_positions": 1024}))
+    with pytest.raises(ValueError, match="--seq-len 100000 is longer than the 1024 positions"
+                                         ".*pass --seq-len 1024 or less"):
+        ex.run_checks.check_positions(str(tmp_path), 100000)
