@@ -79,7 +79,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def _from_preset(key: str) -> str:
     """Help for a default the preset fills: each preset's value and the --model-path one."""
-    values = ", ".join(f"{name} {d[key]:g}" for name, d in presets.TRAIN_DEFAULTS.items())
+    values = ", ".join(f"{name} {d[key]:g}" + (f" ({presets.CPU_STEPS[name]} without a GPU)"
+                                                if key == "steps" and name in presets.CPU_STEPS
+                                                else "")
+                       for name, d in presets.TRAIN_DEFAULTS.items())
     return (f"(default: from --preset: {values}; {PRETRAINED_DEFAULTS[key]:g} with "
             "--model-path)")
 
@@ -227,6 +230,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.model is None and args.model_path is None:
         args.model = "llama"
     defaults = PRETRAINED_DEFAULTS if args.model_path else presets.TRAIN_DEFAULTS[args.preset]
+    if args.steps is None and not args.model_path and args.preset in presets.CPU_STEPS:
+        import torch  # here, not at the top: --help stays fast
+
+        if not torch.cuda.is_available():
+            args.steps = presets.CPU_STEPS[args.preset]
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

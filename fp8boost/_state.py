@@ -102,13 +102,18 @@ def warn_once(key: Hashable, message: str, stacklevel: Optional[int] = None,
         warnings.warn(message, stacklevel=stacklevel or _outside_stacklevel())
 
 
+_FRAMEWORKS = ("torch", "transformers", "accelerate", "peft")
+
+
 def _outside_stacklevel() -> int:
     """The ``warnings.warn`` stacklevel, called from :func:`warn_once`, of the first frame whose
-    file is not under fp8boost/, torch/ or contextlib (1 would be warn_once itself)."""
+    file is not under fp8boost/, contextlib or the frameworks that call into it (torch,
+    transformers, accelerate, peft: their forward hooks and trainers); 1 is warn_once itself."""
     prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep, contextlib.__file__]
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None and getattr(torch_mod, "__file__", None):
-        prefixes.append(os.path.dirname(torch_mod.__file__) + os.sep)
+    for name in _FRAMEWORKS:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            prefixes.append(os.path.dirname(mod.__file__) + os.sep)
     frame = inspect.currentframe()
     frame = frame.f_back if frame is not None else None  # warn_once's frame: level 1
     level = 1

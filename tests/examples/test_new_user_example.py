@@ -64,7 +64,9 @@ def test_every_model_family_builds_at_preset_size(tl):
 def test_model_path_takes_any_causal_lm_folder(tl, tmp_path):
     args = tl.parse_args(["--model", "gpt2"])
     tl.build_model(args, 256, 64, torch.device("cpu")).save_pretrained(tmp_path)
-    args = tl.parse_args(["--model-path", str(tmp_path)])
+    # --seq-len within the 64 positions the folder's model was built with (a longer one is
+    # refused: tests/examples/test_first_ten_minutes.py)
+    args = tl.parse_args(["--model-path", str(tmp_path), "--seq-len", "64"])
     tl.validate_args(args, 1)  # was: "this example trains LlamaForCausalLM only"
     assert type(tl.build_model(args, 256, 64, torch.device("cpu"))).__name__ == "GPT2LMHeadModel"
 
