@@ -122,7 +122,8 @@ def validate_hybrid_args(args: argparse.Namespace, world_size: int) -> None:
                                        ("--pp-style", args.pp_style != "1f1b"),
                                        ("--microbatches", args.microbatches is not None)) if on]
         if given:
-            raise ValueError(f"{', '.join(given)} configure --plugin hybrid; add --plugin hybrid "
+            what = "is an option" if len(given) == 1 else "are options"
+            raise ValueError(f"{', '.join(given)} {what} of --plugin hybrid; add --plugin hybrid "
                              f"(this run has --plugin {args.plugin})")
         return
     if args.tp < 1 or world_size % args.tp:

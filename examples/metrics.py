@@ -160,6 +160,7 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path, title: str = "") -> Option
         import matplotlib
         matplotlib.use("Agg")  # no display on servers
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         warnings.warn("matplotlib is not installed: the loss-curve PNG is skipped "
                       f"(the metrics are in {jsonl_path}; pip install matplotlib)", stacklevel=2)
@@ -175,6 +176,7 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path, title: str = "") -> Option
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 ticks
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

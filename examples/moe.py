@@ -139,9 +139,10 @@ def fp8_coverage(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def describe_coverage(cov: dict[str, int]) -> str:
-    """One line for the start of a run."""
-    line = f"FP8 GEMMs: {cov['linear_fp8']}/{cov['linear_total']} linear layers"
+def describe_coverage(cov: dict[str, int], pp: int = 1) -> str:
+    """One line for the start of a run (``pp`` > 1: the counts are this rank's stage's)."""
+    where = f" of this rank's pipeline stage (the model is split over {pp})" if pp > 1 else ""
+    line = f"FP8 GEMMs: {cov['linear_fp8']}/{cov['linear_total']} linear layers{where}"
     if cov["experts_total"]:
         line += (f", {cov['experts_fp8']}/{cov['experts_total']} expert layers "
                  f"({cov['expert_gemms_fp8']} FP8 grouped GEMMs per forward, each over "

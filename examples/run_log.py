@@ -142,7 +142,11 @@ def summarize(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
 
 def _plot(out_dir: Path, args: argparse.Namespace) -> Optional[Path]:
     """``loss.png`` from ``metrics.jsonl`` (None without matplotlib)."""
-    title = f"{args.preset} {args.plugin} {'fp8' if args.use_fp8 else args.precision}"
+    model = args.model or Path(args.model_path).name
+    size = f" {args.preset}" if args.model_path is None else ""
+    layout = "one process" if args.plugin == "none" else hybrid.describe(args)
+    numerics = f"{args.precision} + FP8 GEMMs" if args.use_fp8 else args.precision
+    title = f"{model}{size}, {layout}, {numerics}"  # "llama tiny, one process, bf16 + FP8 GEMMs"
     return metrics_lib.plot_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss.png", title)
 
 

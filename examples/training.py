@@ -175,7 +175,7 @@ def _start_records(args: argparse.Namespace, run: Run, out_dir: Path, start_step
           f"world_size={world_size} device={device} start_step={start_step} "
           f"out_dir={out_dir}", flush=True)
     if args.use_fp8:
-        print(f"[train] {moe.describe_coverage(run.fp8_coverage)}", flush=True)
+        print(f"[train] {moe.describe_coverage(run.fp8_coverage, args.pp)}", flush=True)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:

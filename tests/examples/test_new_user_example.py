@@ -39,7 +39,7 @@ def test_device_cuda_without_cuda_is_a_clear_error_before_set_device(tl):
 
 def test_hybrid_flags_are_validated(tl):
     args = tl.parse_args(["--tp", "2"])
-    with pytest.raises(ValueError, match="--tp configure --plugin hybrid"):
+    with pytest.raises(ValueError, match="--tp is an option of --plugin hybrid"):
         tl.validate_args(args, 1)
     args = tl.parse_args(["--plugin", "hybrid", "--tp", "3"])
     with pytest.raises(ValueError, match="--tp 3 must be >= 1 and divide"):

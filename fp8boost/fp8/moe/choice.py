@@ -17,8 +17,8 @@ their own shape, once, and train in the fastest:
 projections, the activation, routing and combine) on :data:`TOKENS` random tokens routed
 evenly to ``top_k`` experts, in the weights' dtype; the winner is cached per (experts, hidden,
 width, top-k, dtype, device) in the kernel-decision files of
-:mod:`fp8boost.fp8.kernels.tuning` (``autotune-moe-precision-<gpu>...json``), so later runs on the same
-machine skip the timing. Decisions are logged once: keeping BF16 warns, saying why.
+:mod:`fp8boost.fp8.kernels.tuning` (``autotune-moe-precision-<gpu>...json``), so later runs on
+the same machine skip the timing. Decisions are logged once: keeping BF16 warns, saying why.
 
 Off the GPU backend (CPU, ``emulated``) nothing is timed: ``fp8`` unless ``expert_wgrad`` is
 ``high_precision``.
