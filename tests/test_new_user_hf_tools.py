@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _readme_recipe(marker: str) -> str:
-    """The ``py`` block of the README's HF section that contains ``marker``."""
-    blocks = re.findall(r"```py\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """The ``py`` block of docs/api.md's HF section that contains ``marker``."""
+    blocks = re.findall(r"```py\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
     return next(b for b in blocks if marker in b)
 
 
@@ -58,7 +58,7 @@ import pytest  # noqa: E402
 
 @pytest.mark.gpu
 def test_trainer_on_a_gpu_runs_real_fp8_in_bf16(tmp_path):
-    """The README's Trainer recipe with ``bf16=True`` on an FP8 GPU: FP8 GEMMs on a real
+    """The documented Trainer recipe (docs/api.md) with ``bf16=True`` on an FP8 GPU: FP8 GEMMs on a real
     backend (not emulated), loss falls, the folder loads."""
     code = _readme_recipe("Trainer(").replace("/tmp/fp8boost_trainer", str(tmp_path))
     code = code.replace('save_strategy="no")', 'save_strategy="no", bf16=True)')

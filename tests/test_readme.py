@@ -1,4 +1,6 @@
-"""The README's Python examples run as written (in a fresh process: they start a process group)."""
+"""The documented Python examples run as written (docs/api.md, where the README's "use it in
+your own training loop" points; in a fresh process: they start a process group), and the
+README's tested versions are CI's."""
 import os
 import re
 import subprocess
@@ -6,10 +8,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+API = ROOT / "docs" / "api.md"
 
 
 def test_readme_python_examples_run():
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", API.read_text(), re.S)
     assert len(blocks) >= 2
     code = "\n".join(blocks) + "\nprint('README-OK')\n"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -24,7 +27,7 @@ def test_readme_python_examples_run():
 
 def test_readme_hybrid_example_runs_under_torchrun(tmp_path):
     """The ``python torchrun-2`` block (HybridParallelPlugin, tp 2) as a file under torchrun."""
-    blocks = re.findall(r"```python torchrun-2\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python torchrun-2\n(.*?)```", API.read_text(), re.S)
     assert len(blocks) == 1
     script = tmp_path / "hybrid.py"
     script.write_text(blocks[0].replace("/tmp/fp8boost_readme_hybrid", str(tmp_path / "hf")))
@@ -41,7 +44,7 @@ def test_readme_hybrid_example_runs_under_torchrun(tmp_path):
 
 def test_readme_pipeline_example_runs_under_torchrun(tmp_path):
     """The ``python torchrun-4`` block (HybridParallelPlugin, tp 2 x pp 2) under torchrun."""
-    blocks = re.findall(r"```python torchrun-4\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python torchrun-4\n(.*?)```", API.read_text(), re.S)
     assert len(blocks) == 1
     script = tmp_path / "pipeline.py"
     script.write_text(blocks[0])
@@ -56,3 +59,16 @@ def test_readme_pipeline_example_runs_under_torchrun(tmp_path):
     # One loss for the whole pipeline: every rank prints the last stage's values.
     assert len({v for _, v in found}) == 1, found
     assert "pipeline boundary" not in proc.stdout + proc.stderr  # the boundary went FP8
+
+
+def test_readme_states_the_versions_ci_installs():
+    """"Tested with ... (CPU CI ...)" names the torch and transformers that
+    .ci/requirements-cpu.txt pins (issue 39: the README said 5.23 while 5.24 installed)."""
+    pins = dict(re.findall(r"^([A-Za-z_-]+)==([0-9.]+)", (ROOT / ".ci" / "requirements-cpu.txt")
+                           .read_text(), re.M))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    ci = readme.split("Tested with", 1)[1].split("(CPU CI", 1)[0].rsplit(") and", 1)[1]
+    for name in ("torch", "transformers"):
+        major_minor = ".".join(pins[name].split(".")[:2])
+        assert f"{name} {major_minor}" in ci, (name, pins[name], ci)
+

@@ -1,4 +1,4 @@
-"""The README's "Coming from Colossal-AI" section is true (issue 25, items 1 and 2).
+"""docs/colossal.md ("Coming from Colossal-AI", linked from the README) is true (issue 25, items 1 and 2).
 
 * its ``sed`` line is the whole edit: applied to the Colossal-AI original of
   ``colossal_script.py`` it gives that script back;
@@ -24,8 +24,7 @@ from fp8boost import _state
 from fp8boost.colossal.booster import plugin as colossal_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTION = (ROOT / "README.md").read_text().split("## Coming from Colossal-AI", 1)[1] \
-    .split("\n## ", 1)[0]
+SECTION = (ROOT / "docs" / "colossal.md").read_text()
 COLUMNS = ("same", "mapped", "info", "refused")
 
 

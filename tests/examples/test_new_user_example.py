@@ -112,7 +112,8 @@ def test_two_ranks_gpt2_fp8_run_prints_checkpoints_summary_and_one_warning(tmp_p
 
 def test_readme_commands_work_from_a_fresh_clone(tl):
     # Was: the scale-out command read ../shared/data/shakespeare.txt, absent from a clone.
-    readme = (ROOT / "README.md").read_text()
+    # The README's commands and those of docs/training.md, where it sends people next.
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "training.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
     commands = [c for b in blocks for c in b.replace("\\\n", " ").splitlines()
                 if "examples/train_llama.py" in c]
