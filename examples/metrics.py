@@ -53,8 +53,9 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class Progress:
-    """A tqdm bar when tqdm is installed and output is enabled, else a printed line every
-    ``print_every`` steps. Only rank 0 should enable it."""
+    """A tqdm bar when tqdm is installed, output is enabled and stderr is a terminal, else a
+    printed line every ``print_every`` steps (a log file gets lines, not carriage returns).
+    Only rank 0 should enable it."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True,
                  print_every: int = 10) -> None:
@@ -62,7 +63,7 @@ class Progress:
         self.total = total
         self.print_every = max(1, print_every)
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
             except ImportError:

@@ -208,3 +208,23 @@ def test_long_sequences_are_explained_or_refused(ex, tmp_path):
     with pytest.raises(ValueError, match="--seq-len 100000 is longer than the 1024 positions"
                                          ".*pass --seq-len 1024 or less"):
         ex.run_checks.check_positions(str(tmp_path), 100000)
+
+
+def test_progress_prints_lines_not_a_bar_into_a_log(capsys, monkeypatch):
+    """Redirected output (stderr not a terminal) gets plain progress lines, no tqdm carriage
+    returns; a terminal gets the bar (issue 39 item 6)."""
+    with example_modules("metrics") as (metrics,):
+        pass
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    bar = metrics.Progress(total=4, print_every=2)
+    assert bar.bar is None
+    for step in range(1, 5):
+        bar.update(step, {"loss": 1.0})
+    bar.close()
+    out = capsys.readouterr()
+    assert "[train] step 2/4" in out.out and "[train] step 4/4" in out.out and "\r" not in out.err
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = metrics.Progress(total=4)
+    assert bar.bar is not None
+    bar.close()
