@@ -53,15 +53,18 @@ def make_plugin(args: argparse.Namespace, fp8_config: Any) -> Any:
     if args.plugin == "gemini":
         plugin = GeminiPlugin(precision=args.precision, use_fp8=args.use_fp8,
                               fp8_communication=args.fp8_comm, fp8_config=fp8_config,
+                              fp8_reduce_scatter=args.fp8_reduce_scatter,
                               enable_gradient_accumulation=args.grad_accum > 1)
     elif args.plugin == "fsdp":
         plugin = TorchFSDPPlugin(precision=args.precision, use_fp8=args.use_fp8,
-                                 fp8_communication=args.fp8_comm, fp8_config=fp8_config)
+                                 fp8_communication=args.fp8_comm, fp8_config=fp8_config,
+                                 fp8_reduce_scatter=args.fp8_reduce_scatter)
     elif args.plugin == "ddp":
         plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm,
                                 precision=args.precision, fp8_config=fp8_config)
     else:
         plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
                                     precision=args.precision, use_fp8=args.use_fp8,
-                                    fp8_communication=args.fp8_comm, fp8_config=fp8_config)
+                                    fp8_communication=args.fp8_comm, fp8_config=fp8_config,
+                                    fp8_reduce_scatter=args.fp8_reduce_scatter)
     return plugin

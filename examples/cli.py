@@ -77,6 +77,10 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+# Plugins whose gradient reduce-scatter can run in FP8 (fp8_reduce_scatter=True).
+RS_PLUGINS = ("zero1", "zero2", "gemini", "fsdp", "hybrid")
+
+
 def _from_preset(key: str) -> str:
     """Help for a default the preset fills: each preset's value and the --model-path one."""
     values = ", ".join(f"{name} {d[key]:g}" + (f" ({presets.CPU_STEPS[name]} without a GPU)"
@@ -122,6 +126,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                         "loss scaling); --use-fp8 adds FP8 GEMMs on top of bf16")
     g.add_argument("--use-fp8", action="store_true", help="run linear-layer GEMMs in FP8")
     g.add_argument("--fp8-comm", action="store_true", help="FP8 gradient/parameter communication")
+    g.add_argument("--fp8-reduce-scatter", action="store_true",
+                   help="with --fp8-comm, reduce-scatter gradients in FP8 too (zero1/zero2/"
+                        "gemini/fsdp/hybrid; off by default: slower on NVLink, for slow links)")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=tuple(NAMED_RECIPES),
                    help="FP8 scaling recipe (Fp8Config.from_recipe) for --use-fp8: per tensor "
                         "(tensorwise*, delayed), per row (rowwise, rowwise_with_gw_hp: BF16 "
@@ -299,6 +306,12 @@ def _check_plugin(args: argparse.Namespace, world_size: int) -> None:
     if args.plugin == "none" and args.fp8_comm:
         raise ValueError("--fp8-comm needs a distributed plugin: add --plugin "
                          "ddp|zero1|zero2|gemini|fsdp|hybrid")
+    if args.fp8_reduce_scatter and not args.fp8_comm:
+        raise ValueError("--fp8-reduce-scatter needs --fp8-comm (it puts the gradients of FP8 "
+                         "communication in FP8 too); add --fp8-comm")
+    if args.fp8_reduce_scatter and args.plugin not in RS_PLUGINS:
+        raise ValueError(f"--fp8-reduce-scatter applies to --plugin {'|'.join(RS_PLUGINS)} "
+                         f"(this run has --plugin {args.plugin}); drop it")
     hybrid.validate_hybrid_args(args, world_size)
     moe.validate_moe_args(args, world_size)
     if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":

@@ -197,6 +197,7 @@ def make_plugin(args: argparse.Namespace, fp8_config):
                                 enable_sequence_parallelism=args.sp,
                                 precision=args.precision, use_fp8=args.use_fp8,
                                 fp8_communication=args.fp8_comm, fp8_config=fp8_config,
+                                fp8_reduce_scatter=args.fp8_reduce_scatter,
                                 **pipeline)
 
 

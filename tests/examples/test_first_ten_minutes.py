@@ -228,3 +228,19 @@ def test_progress_prints_lines_not_a_bar_into_a_log(capsys, monkeypatch):
     bar = metrics.Progress(total=4)
     assert bar.bar is not None
     bar.close()
+
+
+def test_fp8_reduce_scatter_is_a_flag_the_messages_can_point_at(ex):
+    """The comm reports say "fp8_reduce_scatter=True is for slow links"; the command line can
+    now set it (issue 39 item 6), and refuses it where it has no meaning."""
+    tl = ex.train
+    args = tl.parse_args(["--plugin", "zero2", "--fp8-comm", "--fp8-reduce-scatter"])
+    tl.validate_args(args, 2)
+    with example_modules("booster_setup") as (setup,):
+        plugin = setup.make_plugin(args, None)
+    assert plugin.fp8_reduce_scatter and plugin.fp8_communication
+    for argv, match in ((["--plugin", "zero2", "--fp8-reduce-scatter"], "needs --fp8-comm"),
+                        (["--plugin", "ddp", "--fp8-comm", "--fp8-reduce-scatter"],
+                         "applies to --plugin zero1")):
+        with pytest.raises(ValueError, match=match):
+            tl.validate_args(tl.parse_args(argv), 2)
