@@ -19,7 +19,8 @@ import importlib
 from typing import Any
 
 _SUBMODULES = ("accelerator", "booster", "checkpoint_io", "cluster", "initialize", "interface",
-               "lazy", "logging", "nn", "pipeline", "quantization", "shardformer", "utils")
+               "lazy", "logging", "nn", "pipeline", "quantization", "shardformer", "testing",
+               "utils")
 _INITIALIZE = ("launch", "launch_from_torch")
 
 __all__ = [*_INITIALIZE, *_SUBMODULES]
