@@ -14,6 +14,8 @@ Example:
 """
 from __future__ import annotations
 
+import logging
+
 from fp8boost import booster as _booster
 from fp8boost.colossal.positional import with_colossal_order
 from fp8boost.plugins import Plugin
@@ -25,6 +27,10 @@ _Ordered = with_colossal_order(_booster.Booster, ("device", "mixed_precision", "
 
 class Booster(_Ordered):
     """fp8boost's :class:`~fp8boost.booster.Booster` with Colossal-AI's order and defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        args, kwargs = _native_amp(args, kwargs)
+        super().__init__(*args, **kwargs)
 
     def save_model(self, model, checkpoint=None, shard: bool = False, *args, **kwargs) -> None:
         """:meth:`fp8boost.booster.Booster.save_model` with Colossal-AI's default
@@ -40,3 +46,27 @@ class Booster(_Ordered):
 
 
 Booster.__module__ = __name__
+
+
+def _native_amp(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An ``FP16TorchMixedPrecision`` (Colossal-AI's position 1 or the keyword) becomes
+    fp8boost's ``"fp16"``, said once at INFO (see :mod:`.amp`)."""
+    from fp8boost import _state
+
+    from .amp import FP16TorchMixedPrecision
+
+    args = list(args)
+    where = 1 if len(args) > 1 and isinstance(args[1], FP16TorchMixedPrecision) else None
+    amp = args[where] if where is not None else kwargs.get("mixed_precision")
+    if not isinstance(amp, FP16TorchMixedPrecision):
+        return tuple(args), kwargs
+    _state.log_once(logging.getLogger("fp8boost.colossal"), "colossal-fp16-torch-amp",
+                    "fp8boost: Booster(mixed_precision=FP16TorchMixedPrecision()) trains in "
+                    "fp8boost's 'fp16': FP16 weights with FP32 master copies and dynamic loss "
+                    "scaling, in place of autocast over FP32 weights (configure() alone gives "
+                    "torch AMP)", level=logging.INFO)
+    if where is not None:
+        args[where] = "fp16"
+    else:
+        kwargs = {**kwargs, "mixed_precision": "fp16"}
+    return tuple(args), kwargs

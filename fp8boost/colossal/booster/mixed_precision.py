@@ -1,8 +1,9 @@
 """``colossalai.booster.mixed_precision``: ``MixedPrecision`` for ``Booster(mixed_precision=)``.
 
 fp8boost's :class:`~fp8boost.booster.MixedPrecision` (``"fp32"``, ``"bf16"``, ``"fp16"``,
-``"fp8"``) under Colossal-AI's path, and ``mixed_precision_factory`` for the names
-Colossal-AI's factory takes.
+``"fp8"``) under Colossal-AI's path, ``mixed_precision_factory`` for the names
+Colossal-AI's factory takes, and Colossal-AI's torch-AMP ``FP16TorchMixedPrecision``
+(:mod:`.amp`).
 
 Example:
     >>> from fp8boost.colossal.booster.mixed_precision import mixed_precision_factory
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 from fp8boost.booster.mixed_precision import MixedPrecision
 
-__all__ = ["MixedPrecision", "mixed_precision_factory"]
+from .amp import FP16TorchMixedPrecision, TorchAMPModule, TorchAMPOptimizer
+
+__all__ = ["FP16TorchMixedPrecision", "MixedPrecision", "TorchAMPModule", "TorchAMPOptimizer",
+           "mixed_precision_factory"]
 
 #: Colossal-AI's factory names that fp8boost trains (its apex and naive fp16 variants are
 #: refused with the alternative: fp8boost's "fp16" is torch-native dynamic loss scaling)
