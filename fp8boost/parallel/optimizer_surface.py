@@ -171,6 +171,28 @@ class OptimizerSurface:
         """Remember the norm a ``clip_grad_norm_`` measured (for :meth:`get_grad_norm`)."""
         self._measured_norm = (float(norm_type), norm)
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Colossal-AI's: only its torch-AMP optimizer has it (``FP16TorchMixedPrecision``).
+
+        Raises:
+            NotImplementedError: always, naming the fix.
+        """
+        raise NotImplementedError(
+            "scale_loss is only available for optimizers with mixed precision training "
+            "(Colossal-AI's FP16TorchMixedPrecision().configure); a boosted optimizer scales "
+            "the loss in optimizer.backward(loss) / booster.backward(loss, optimizer)")
+
+    def unscale_grad(self) -> None:
+        """Colossal-AI's: only its torch-AMP optimizer has it.
+
+        Raises:
+            NotImplementedError: always, naming the fix.
+        """
+        raise NotImplementedError(
+            "unscale_grad is only available for optimizers with mixed precision training "
+            "(Colossal-AI's FP16TorchMixedPrecision().configure); a boosted optimizer unscales "
+            "its gradients itself, before clip_grad_by_norm and step")
+
     def get_grad_norm(self, norm_type: Union[float, int] = 2.0, **kwargs: Any) -> Optional[float]:
         """The gradient norm measured by the last clipping, as a float; None before any.
 

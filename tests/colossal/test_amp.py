@@ -48,3 +48,15 @@ def test_booster_trains_fp8boosts_fp16_in_its_place(caplog):
     assert again.plugin.mp.precision == "fp16"
     assert caplog.text.count("FP16TorchMixedPrecision") == 1  # once per process
     _state.reset()
+
+
+def test_boosted_optimizers_answer_scale_loss_as_colossal_ai_does():
+    """Colossal-AI's base OptimizerWrapper raises NotImplementedError for scale_loss and
+    unscale_grad (only its AMP optimizer has them); so do fp8boost's, naming the fix."""
+    import pytest
+
+    opt = OptimizerWrapper(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(NotImplementedError, match="booster.backward"):
+        opt.scale_loss(torch.ones(()))
+    with pytest.raises(NotImplementedError, match="unscales its gradients itself"):
+        opt.unscale_grad()
