@@ -244,3 +244,20 @@ def test_fp8_reduce_scatter_is_a_flag_the_messages_can_point_at(ex):
                          "applies to --plugin zero1")):
         with pytest.raises(ValueError, match=match):
             tl.validate_args(tl.parse_args(argv), 2)
+
+
+def test_coverage_line_and_plot_title_say_what_they_count(tmp_path, monkeypatch):
+    """Under --pp the FP8 coverage counts one rank's stage and says so; the plot title names
+    model, size, layout and numerics (was "tiny none fp8"; issue 39 item 7)."""
+    with example_modules("moe", "run_log", "train_llama") as (moe, run_log, tl):
+        cov = dict(linear_fp8=14, linear_total=14, experts_fp8=0, experts_total=0,
+                   expert_gemms_fp8=0, local_experts=0, num_experts=0)
+        assert moe.describe_coverage(cov) == "FP8 GEMMs: 14/14 linear layers"
+        assert "of this rank's pipeline stage (the model is split over 2)" in \
+            moe.describe_coverage(cov, pp=2)
+        args = tl.parse_args(["--use-fp8"])
+        seen = {}
+        monkeypatch.setattr(run_log.metrics_lib, "plot_loss_curve",
+                            lambda src, dst, title: seen.setdefault("t", title))
+        run_log._plot(tmp_path, args)
+    assert seen["t"] == "llama tiny, one process, bf16 + FP8 GEMMs"
