@@ -94,7 +94,7 @@ class TestInterpreter:
     def test_mm_matches_emulated(self, gm, fast, dtypes):
         r, a, a_inv, b, b_inv = mm_operands(70, 2, 5, 40, 48, dtypes)
         assert gm.supports(a, a_inv, b, b_inv, r.offsets)
-        got = gm.triton_mm(a, a_inv, b, b_inv, r.offsets, fast, gm._INTERP_CONFIG)
+        got = gm.triton_mm(a, a_inv, b, b_inv, r.offsets, fast, gm.INTERP_CONFIG)
         want = emulated_mm(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
         assert got.shape == want.shape == (r.rows, 40) and got.dtype == torch.bfloat16
         got, want = valid_rows(got, r), valid_rows(want, r)
@@ -116,7 +116,7 @@ class TestInterpreter:
     def test_matches_emulated(self, gw, fast, dtypes):
         r, a, a_inv, b, b_inv = operands(70, 2, 5, 40, 56, dtypes)
         assert gw.supports(a, b, a_inv, b_inv, r.offsets)
-        got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, fast, gw._INTERP_CONFIG)
+        got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, fast, gw.INTERP_CONFIG)
         want = emulated_mm_wgrad(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
         assert got.shape == want.shape == (5, 40, 56) and got.dtype == torch.bfloat16
         assert (got[1] == 0).all()  # the empty expert

@@ -14,7 +14,7 @@ the grid is the upper bound ``cdiv(rows, BLOCK_M) + E`` (programs past the sched
 
 :func:`grouped_mm` times this kernel's configs against torch's once per shape class on the GPU
 (:class:`~fp8boost.fp8.kernels.tuning.ConfigCache` ``"moe-mm"``) and runs the fastest;
-problems under :data:`TUNE_MIN_WORK` keep torch's kernel untimed.
+small problems keep torch's kernel untimed (:func:`.grouped_common.fastest`).
 """
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped_wgrad import TORCH, WgradConfig
-from .tuning import ConfigCache, bucket, interpreting
+from .grouped_common import (CONFIGS, INTERP_CONFIG, TileConfig, common_ok, fastest,
+                             group_start, refusal)
+from .tuning import ConfigCache, bucket
 
-CONFIGS = (WgradConfig(128, 128, 128, 4, 8), WgradConfig(128, 256, 128, 3, 8),
-           WgradConfig(64, 128, 128, 4, 4), WgradConfig(128, 128, 64, 5, 8))
-TUNE_MIN_WORK = 1 << 32
-_INTERP_CONFIG = WgradConfig(16, 32, 32, 1, 1)
 _CACHE = ConfigCache("moe-mm")
 
 
@@ -47,8 +44,7 @@ def _grouped_mm_kernel(a_ptr, b_ptr, out_ptr, a_inv_ptr, b_inv_ptr, off_ptr, til
         e = tl.sum((ends <= t).to(tl.int32))  # the first expert whose tiles end past t
         first = tl.load(tile_end_ptr + tl.maximum(e - 1, 0))
         first = tl.where(e > 0, first, 0)
-        start = tl.load(off_ptr + tl.maximum(e - 1, 0))
-        start = tl.multiple_of(tl.where(e > 0, start, 0), 16)
+        start = group_start(off_ptr, e)
         end = tl.load(off_ptr + e)
         offs_m = start + (t - first) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,33 +75,26 @@ def supports(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch
     """Whether :func:`triton_mm` takes these operands (FP8 K-major ``a [rows, K]``, ``b [E, N,
     K]``, FP32 ``a_inv [rows]``, ``b_inv [E, N]``, int32 ``offsets [E]``, one CUDA device or
     the interpreter; K a multiple of 16)."""
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if not all(torch.is_tensor(t) for t in (a, a_inv, b, b_inv, offsets)):
-        return False
-    if a.dim() != 2 or b.dim() != 3 or a.dtype not in fp8 or b.dtype not in fp8:
+    if not common_ok(a, b, a_inv, b_inv, offsets) or a.dim() != 2 or b.dim() != 3:
         return False
     e, n, k = b.shape
-    if a.shape[1] != k or k % 16 or offsets.shape != (e,) or offsets.dtype != torch.int32:
+    if a.shape[1] != k or k % 16 or offsets.shape != (e,):
         return False
     if a.stride(1) != 1 or b.stride(2) != 1 or a.stride(0) % 16 or b.stride(1) % 16:
         return False
-    if a_inv.numel() != a.shape[0] or tuple(b_inv.shape) != (e, n):
-        return False
-    if a_inv.dtype != torch.float32 or b_inv.dtype != torch.float32:
-        return False
-    devs = {t.device for t in (a, a_inv, b, b_inv, offsets)}
-    return len(devs) == 1 and (a.is_cuda or interpreting())
+    return a_inv.numel() == a.shape[0] and tuple(b_inv.shape) == (e, n)
 
 
 def triton_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
               offsets: torch.Tensor, fast_accum: bool,
-              cfg: WgradConfig = CONFIGS[0]) -> torch.Tensor:
+              cfg: TileConfig = CONFIGS[0]) -> torch.Tensor:
     """The Triton kernel with one config: ``[rows, N]`` BF16, rows past the groups unset."""
     if not supports(a, a_inv, b, b_inv, offsets):
-        raise ValueError(f"grouped_mm cannot take a {tuple(a.shape)} {a.dtype}, b "
-                         f"{tuple(b.shape)} {b.dtype}, a_inv {tuple(a_inv.shape)}, b_inv "
-                         f"{tuple(b_inv.shape)}, offsets {tuple(offsets.shape)} "
-                         f"{offsets.dtype} on {a.device}; use torch._scaled_grouped_mm")
+        raise refusal("grouped_mm", a, a_inv, b, b_inv, offsets)
+    return _launch(a, a_inv, b, b_inv, offsets, fast_accum, cfg)
+
+
+def _launch(a, a_inv, b, b_inv, offsets, fast_accum: bool, cfg: TileConfig) -> torch.Tensor:
     rows, k = a.shape
     e, n, _ = b.shape
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
@@ -128,15 +117,8 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: tor
     class, timed once on the GPU; torch's where the Triton kernel cannot take the operands."""
     if not supports(a, a_inv, b, b_inv, offsets):
         return torch_mm()
-    if interpreting():
-        return triton_mm(a, a_inv, b, b_inv, offsets, fast_accum, _INTERP_CONFIG)
-
-    def run(cfg):
-        return torch_mm() if cfg == TORCH else triton_mm(a, a_inv, b, b_inv, offsets,
-                                                         fast_accum, cfg)
-
     rows, k = a.shape
     e, n, _ = b.shape
     key = (bucket(rows), n, k, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)
-    bench = rows * n * k >= TUNE_MIN_WORK
-    return run(_CACHE.pick(key, (TORCH,) + CONFIGS, run, bench=bench))
+    return fastest(_CACHE, key, rows * n * k,
+                   lambda cfg: _launch(a, a_inv, b, b_inv, offsets, fast_accum, cfg), torch_mm)

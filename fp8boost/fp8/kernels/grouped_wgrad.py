@@ -17,37 +17,21 @@ accumulator over the whole group) or promoted to FP32 every ``BLOCK_K`` rows
 
 :func:`grouped_wgrad` times this kernel's configs against torch's kernel once per shape class
 on the GPU (:class:`~fp8boost.fp8.kernels.tuning.ConfigCache` ``"moe-wgrad"``) and runs the
-fastest, so it is never slower than torch's where both run; problems under
-:data:`TUNE_MIN_WORK` keep torch's kernel untimed.
+fastest, so it is never slower than torch's where both run; small problems keep torch's
+kernel untimed (:func:`.grouped_common.fastest`).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from .tuning import ConfigCache, bucket, interpreting
+from .grouped_common import (CONFIGS, INTERP_CONFIG, TileConfig, common_ok, fastest,
+                             group_start, refusal)
+from .tuning import ConfigCache, bucket
 
-
-class WgradConfig(NamedTuple):
-    """Block sizes, pipeline depth and warps of one launch."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    stages: int
-    warps: int
-
-
-TORCH = "torch"  # pseudo-config: torch._scaled_grouped_mm
-CONFIGS = (WgradConfig(128, 128, 128, 4, 8), WgradConfig(128, 256, 128, 3, 8),
-           WgradConfig(64, 128, 128, 4, 4), WgradConfig(128, 128, 64, 5, 8))
-# Smaller problems (M * N * rows) run torch's kernel untimed: timing compiles every config
-# (seconds), repaid only where the weight gradient is a measurable share of a step.
-TUNE_MIN_WORK = 1 << 32
-_INTERP_CONFIG = WgradConfig(16, 32, 32, 1, 1)
 _CACHE = ConfigCache("moe-wgrad")
 
 
@@ -60,9 +44,7 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, a_inv_ptr, b_inv_ptr, off_ptr, M, N, E,
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m = tile // tiles_n
     pid_n = tile - pid_m * tiles_n
-    start = tl.load(off_ptr + tl.maximum(e - 1, 0))
-    start = tl.where(e > 0, start, 0)
-    start = tl.multiple_of(start, 16)  # the routing starts each group at a multiple of 16
+    start = group_start(off_ptr, e)
     end = tl.load(off_ptr + e)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,33 +78,26 @@ def supports(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch
         ...          torch.ones(2, 8), torch.ones(2, 4), torch.tensor([16, 32]))
         False
     """
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if not all(torch.is_tensor(t) for t in (a, b, a_inv, b_inv, offsets)):
+    if not common_ok(a, b, a_inv, b_inv, offsets) or a.dim() != 2 or b.dim() != 2:
         return False
-    if a.dim() != 2 or b.dim() != 2 or a.dtype not in fp8 or b.dtype not in fp8:
-        return False
-    rows, e = a.shape[1], offsets.shape[0] if offsets.dim() == 1 else -1
-    if b.shape[1] != rows or rows % 16 or e < 1 or offsets.dtype != torch.int32:
+    rows, e = a.shape[1], offsets.shape[0]
+    if b.shape[1] != rows or rows % 16 or e < 1:
         return False
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 16 or b.stride(0) % 16:
         return False
-    if tuple(a_inv.shape) != (e, a.shape[0]) or tuple(b_inv.shape) != (e, b.shape[0]):
-        return False
-    if a_inv.dtype != torch.float32 or b_inv.dtype != torch.float32:
-        return False
-    devs = {t.device for t in (a, b, a_inv, b_inv, offsets)}
-    return len(devs) == 1 and (a.is_cuda or interpreting())
+    return tuple(a_inv.shape) == (e, a.shape[0]) and tuple(b_inv.shape) == (e, b.shape[0])
 
 
 def triton_wgrad(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
                  offsets: torch.Tensor, fast_accum: bool,
-                 cfg: WgradConfig = CONFIGS[0]) -> torch.Tensor:
+                 cfg: TileConfig = CONFIGS[0]) -> torch.Tensor:
     """The Triton kernel with one config: ``[E, M, N]`` BF16 (see the module docstring)."""
     if not supports(a, b, a_inv, b_inv, offsets):
-        raise ValueError(f"grouped_wgrad cannot take a {tuple(a.shape)} {a.dtype}, b "
-                         f"{tuple(b.shape)} {b.dtype}, a_inv {tuple(a_inv.shape)}, b_inv "
-                         f"{tuple(b_inv.shape)}, offsets {tuple(offsets.shape)} "
-                         f"{offsets.dtype} on {a.device}; use torch._scaled_grouped_mm")
+        raise refusal("grouped_wgrad", a, a_inv, b, b_inv, offsets)
+    return _launch(a, a_inv, b, b_inv, offsets, fast_accum, cfg)
+
+
+def _launch(a, a_inv, b, b_inv, offsets, fast_accum: bool, cfg: TileConfig) -> torch.Tensor:
     m, n, e = a.shape[0], b.shape[0], offsets.shape[0]
     out = torch.empty(e, m, n, dtype=torch.bfloat16, device=a.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), e)
@@ -141,15 +116,8 @@ def grouped_wgrad(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
     operands (:func:`supports`)."""
     if not supports(a, b, a_inv, b_inv, offsets):
         return torch_wgrad()
-    if interpreting():
-        return triton_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, _INTERP_CONFIG)
-
-    def run(cfg):
-        if cfg == TORCH:
-            return torch_wgrad()
-        return triton_wgrad(a, a_inv, b, b_inv, offsets, fast_accum, cfg)
-
-    m, n, e = a.shape[0], b.shape[0], offsets.shape[0]
-    key = (bucket(a.shape[1]), m, n, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)
-    bench = m * n * a.shape[1] >= TUNE_MIN_WORK
-    return run(_CACHE.pick(key, (TORCH,) + CONFIGS, run, bench=bench))
+    m, n, e, rows = a.shape[0], b.shape[0], offsets.shape[0], a.shape[1]
+    key = (bucket(rows), m, n, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)
+    return fastest(_CACHE, key, m * n * rows,
+                   lambda cfg: _launch(a, a_inv, b, b_inv, offsets, fast_accum, cfg),
+                   torch_wgrad)

@@ -1,0 +1,82 @@
+"""What the two Triton grouped FP8 GEMMs of the experts share (:mod:`.grouped_mm`, M-grouped:
+forward and input gradient; :mod:`.grouped_wgrad`, K-grouped: weight gradient): the tile
+configs, the first row of a group read from the routing's end offsets, the operand checks
+both make, and the dispatch that times their configs against torch's kernel once per shape
+class and runs the fastest.
+"""
+from __future__ import annotations
+
+from typing import Callable, Hashable, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import ConfigCache, interpreting
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class TileConfig(NamedTuple):
+    """Block sizes, pipeline depth and warps of one launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+
+
+TORCH = "torch"  # pseudo-config: torch._scaled_grouped_mm
+CONFIGS = (TileConfig(128, 128, 128, 4, 8), TileConfig(128, 256, 128, 3, 8),
+           TileConfig(64, 128, 128, 4, 4), TileConfig(128, 128, 64, 5, 8))
+# Smaller problems (the GEMM's M * N * K) run torch's kernel untimed: timing compiles every
+# config (seconds), repaid only where the GEMM is a measurable share of a step.
+TUNE_MIN_WORK = 1 << 32
+INTERP_CONFIG = TileConfig(16, 32, 32, 1, 1)
+
+
+@triton.jit
+def group_start(off_ptr, e):
+    """First row of expert ``e``'s group: ``offsets[e-1]`` (0 for the first), a multiple of
+    16 (the routing aligns each group), so loads from it stay 16-byte aligned."""
+    start = tl.load(off_ptr + tl.maximum(e - 1, 0))
+    return tl.multiple_of(tl.where(e > 0, start, 0), 16)
+
+
+def common_ok(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+              offsets: torch.Tensor) -> bool:
+    """The checks both kernels make: tensors, FP8 operands, FP32 scales, int32 1-D offsets,
+    one device, CUDA (or the Triton interpreter)."""
+    tensors = (a, b, a_inv, b_inv, offsets)
+    if not all(torch.is_tensor(t) for t in tensors):
+        return False
+    if a.dtype not in FP8 or b.dtype not in FP8 or offsets.dim() != 1:
+        return False
+    if offsets.dtype != torch.int32 or a_inv.dtype != torch.float32 \
+            or b_inv.dtype != torch.float32:
+        return False
+    return len({t.device for t in tensors}) == 1 and (a.is_cuda or interpreting())
+
+
+def refusal(name: str, a, a_inv, b, b_inv, offsets) -> ValueError:
+    """The error a kernel raises for operands its ``supports`` refuses."""
+    return ValueError(f"{name} cannot take a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} "
+                      f"{b.dtype}, a_inv {tuple(a_inv.shape)}, b_inv {tuple(b_inv.shape)}, "
+                      f"offsets {tuple(offsets.shape)} {offsets.dtype} on {a.device}; use "
+                      "torch._scaled_grouped_mm")
+
+
+def fastest(cache: ConfigCache, key: Hashable, work: int,
+            launch: Callable[[TileConfig], torch.Tensor],
+            torch_gemm: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run ``launch(cfg)`` with the config timed fastest for ``key`` against ``torch_gemm()``
+    (once on the GPU; problems of ``work`` under :data:`TUNE_MIN_WORK` take torch's untimed,
+    the interpreter :data:`INTERP_CONFIG`)."""
+    if interpreting():
+        return launch(INTERP_CONFIG)
+
+    def run(cfg):
+        return torch_gemm() if cfg == TORCH else launch(cfg)
+
+    return run(cache.pick(key, (TORCH,) + CONFIGS, run, bench=work >= TUNE_MIN_WORK))
