@@ -13,21 +13,20 @@ tokens ``[rows, K]``, per row       1      ``granular_cast``'s rowwise rows kern
                                            per row block, sweeping K twice (the second sweep
                                            re-reads the block from L2)
 experts ``[E, N, K]``, per (e, n)   1      the same kernel on the ``[E*N, K]`` view
-experts ``W^T [E, K, N]``, (e, k)   2      amax pass (integer atomic max into ``[E, K]``), then
-                                           one cast pass writing the transposed bytes
-groups ``x^T [C, rows]``, (e, c)    2      the same two passes, segmented by ``group``
+experts ``W^T [E, K, N]``, (e, k)   2      :mod:`.moe_seg_cast`: one program per (expert, column
+                                           block) looping down the expert's N rows
+groups ``x^T [C, rows]``, (e, c)    2      with the routing's ``offsets``: :mod:`.moe_seg_cast`;
+                                           without: the tiled two passes below
 ``+ rows`` operand of the same x    2      both operands from the same two passes
 ==================================  =====  =====================================================
 
-Segmentation: the two kernels take a row-block x column-block tile each; a tile's rows may
-belong to several experts (or none), so each tile loops over the experts its rows hold
-(``min .. max`` of their groups). The routing sorts rows by expert, so that loop runs once or
-twice per tile; an unsorted ``group`` stays correct, only slower. Atomics on integer bit
-patterns are order-independent, so the result is deterministic. Rows of no group
-(``group == E``: padding and tail rows) join no amax and get zero bytes, whatever they hold.
-Every expert's ``inv_scale`` is written, an expert with no rows getting 1 (amax 0), as in the
-reference. For the experts operand the "group" of row ``r`` of the ``[E*N, K]`` view is
-``r // N`` (no group tensor is read).
+The tiled kernels (groups without offsets, any row order): each takes a row-block x
+column-block tile; a tile's rows may belong to several experts (or none), so each tile loops
+over the experts its rows hold (``min .. max`` of their groups): once or twice for sorted rows,
+more for unsorted ones (still correct). Atomics on integer bit patterns are order-independent,
+so the result is deterministic. Rows of no group (``group == E``: padding and tail rows) join
+no amax and get zero bytes, whatever they hold. Every expert's ``inv_scale`` is written, an
+expert with no rows getting 1 (amax 0), as in the reference.
 
 A float32 input re-reads its tile in transposed order for the transposed bytes (as
 ``granular_cast`` does; Triton 3.6 miscompiled that register transpose); 16-bit inputs
@@ -50,6 +49,7 @@ from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES
                             amax_pass_tile, fp8_bytes, needs_int64, tile_offsets)
 from .granular_cast import quantize_operands as granular_operands
 from .moe_seg_cast import two_pass as seg_two_pass
+from .moe_seg_cast import two_pass_buffers
 from .tuning import interpreting
 
 # (BLOCK_R, BLOCK_C, num_warps) of the grouped two-pass kernels on the GPU / the interpreter.
@@ -58,26 +58,22 @@ _INTERP_TILE = (32, 64, 1)
 
 
 @triton.jit
-def _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED: tl.constexpr):
+def _row_groups(grp_ptr, offs_r, in_r, E):
     # Each row's expert as int32, E for rows of no group (and rows past R). A group id outside
     # [0, E) counts as "no group": it must never address the amax table out of bounds.
-    if GROUPED:
-        g = tl.load(grp_ptr + offs_r, mask=in_r, other=E).to(tl.int32)
-        g = tl.where((g >= 0) & (g < E), g, E)
-    else:
-        g = tl.where(in_r, (offs_r // SEG).to(tl.int32), E)
-    return g
+    g = tl.load(grp_ptr + offs_r, mask=in_r, other=E).to(tl.int32)
+    return tl.where((g >= 0) & (g < E), g, E)
 
 
 @triton.jit
-def _group_amax_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c, E, SEG,
-                       ROWS: tl.constexpr, GROUPED: tl.constexpr, IDX64: tl.constexpr,
+def _group_amax_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c, E,
+                       ROWS: tl.constexpr, IDX64: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Pass 1: row amaxes (ROWS) and per-(expert, column) amaxes of this tile, by atomic max
     # on |x| bit patterns into zeroed int32 tables.
     offs_r, offs_c, in_r, in_c, bits = amax_pass_tile(x_ptr, ramax_ptr, R, C, stride_r,
                                                       stride_c, ROWS, IDX64, BLOCK_R, BLOCK_C)
-    g = _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED)
+    g = _row_groups(grp_ptr, offs_r, in_r, E)
     g_lo = tl.min(g, axis=0)
     g_hi = tl.max(tl.where(g < E, g, -1), axis=0)
     for e in range(g_lo, g_hi + 1):  # sorted rows: one or two experts per tile
@@ -106,14 +102,13 @@ def _group_scales(camax_ptr, g, g_lo, g_hi, offs_c, in_c, C, target, POW2: tl.co
 
 @triton.jit
 def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_ptr, invt_ptr,
-                       R, C, stride_r, stride_c, E, SEG, OUT_G, OUT_C, n_tr, fmax, target,
-                       ROWS: tl.constexpr, GROUPED: tl.constexpr, POW2: tl.constexpr,
+                       R, C, stride_r, stride_c, E, n_tr, fmax, target,
+                       ROWS: tl.constexpr, POW2: tl.constexpr,
                        T_RELOAD: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, IDX64: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Pass 2: the rows operand (ROWS) and the transposed per-(expert, column) operand. Element
-    # (r, c) of expert g goes to qt[g*OUT_G + c*OUT_C + r - g*SEG]: [C, R] for the token
-    # groups (OUT_G = SEG = 0, OUT_C = R), [E, K, N] for the experts (K*N, N, N).
+    # Pass 2: the rows operand (ROWS) and the transposed per-(expert, column) operand
+    # qt [C, R].
     tr = tl.program_id(0)
     tc = tl.program_id(1)
     offs_r, offs_c = tile_offsets(tr, tc, R, C, BLOCK_R, BLOCK_C, IDX64)
@@ -129,10 +124,9 @@ def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
         if tc == 0:
             tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s_r), mask=in_r)
-    g = _row_groups(grp_ptr, offs_r, in_r, E, SEG, GROUPED)
+    g = _row_groups(grp_ptr, offs_r, in_r, E)
     g_lo = tl.min(g, axis=0)
     g_hi = tl.max(tl.where(g < E, g, -1), axis=0)
-    row_out = offs_r + g.to(offs_r.dtype) * (OUT_G - SEG)  # int64 when IDX64: no wrap
     mask_t = in_c[:, None] & in_r[None, :]
     if T_RELOAD:  # float32: see the module docstring
         xt = tl.load(x_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
@@ -146,7 +140,7 @@ def _group_cast_kernel(x_ptr, grp_ptr, ramax_ptr, camax_ptr, q_ptr, inv_ptr, qt_
                           BLOCK_R, BLOCK_C)
         q = fp8_bytes(x, s, fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
         qt = tl.trans(tl.where((g < E)[:, None], q, tl.zeros_like(q)))
-    tl.store(qt_ptr + offs_c[:, None] * OUT_C + row_out[None, :], qt, mask=mask_t)
+    tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
     # Every expert's inverse scales, experts with no rows included: rows tr, tr + n_tr, ...
     for e in range(tr, E, n_tr):
         a = tl.load(camax_ptr + e * C + offs_c, mask=in_c, other=0)
@@ -208,34 +202,25 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0,
     return q.data, q.inv_scale.view(-1)
 
 
-def _two_pass(x2, group, num_groups, seg, out_shape, out_g, out_c, dtype, rows, margin,
-              power_of_2):
-    """Both grouped kernels on ``x2 [R, C]``: ``(data, inv) or None, data_t, inv_t [G, C]``."""
+def _two_pass(x2, group, num_groups, dtype, rows, margin, power_of_2):
+    """Both tiled kernels on ``x2 [R, C]``: ``(data, inv) or None, data_t [C, R], inv_t [E, C]``."""
     r, c = x2.shape
-    dev = x2.device
     br, bc, warps = _INTERP_TILE if interpreting() else GROUPED_TILE
     grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
-    dummy = torch.empty(1, dtype=torch.int32, device=dev)
-    ramax = torch.zeros(r, dtype=torch.int32, device=dev) if rows else dummy
-    camax = torch.zeros(num_groups, c, dtype=torch.int32, device=dev)
-    grp = group if group is not None else dummy
+    dummy, ramax, camax, data, inv, data_t, inv_t = two_pass_buffers(x2, num_groups, (c, r),
+                                                                     dtype, rows)
     idx64 = needs_int64(x2)
-    _group_amax_kernel[grid](x2, grp, ramax, camax, r, c, x2.stride(0), x2.stride(1),
-                             num_groups, seg, ROWS=bool(rows), GROUPED=group is not None,
-                             IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
-    data = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
-    inv = torch.empty(r, dtype=torch.float32, device=dev) if rows else dummy
-    data_t = torch.empty(out_shape, dtype=dtype, device=dev)
-    inv_t = torch.empty(num_groups, c, dtype=torch.float32, device=dev)
+    _group_amax_kernel[grid](x2, group, ramax, camax, r, c, x2.stride(0), x2.stride(1),
+                             num_groups, ROWS=bool(rows), IDX64=idx64, BLOCK_R=br, BLOCK_C=bc,
+                             num_warps=warps)
     fmax = fp8_max(dtype)
     mant, min_exp = FP8_GRID[dtype]
     _group_cast_kernel[grid](
-        x2, grp, ramax, camax, data.view(torch.uint8) if rows else dummy, inv,
-        data_t.view(torch.uint8), inv_t, r, c, x2.stride(0), x2.stride(1), num_groups, seg,
-        out_g, out_c, grid[0], fmax, fmax / (2.0 ** margin), ROWS=bool(rows),
-        GROUPED=group is not None, POW2=bool(power_of_2), T_RELOAD=x2.dtype == torch.float32,
-        OUT_DTYPE=TL_DTYPES[dtype], EMULATE=interpreting(), MANT_BITS=mant, MIN_EXP=min_exp,
-        IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+        x2, group, ramax, camax, data.view(torch.uint8) if rows else dummy, inv,
+        data_t.view(torch.uint8), inv_t, r, c, x2.stride(0), x2.stride(1), num_groups, grid[0],
+        fmax, fmax / (2.0 ** margin), ROWS=bool(rows), POW2=bool(power_of_2),
+        T_RELOAD=x2.dtype == torch.float32, OUT_DTYPE=TL_DTYPES[dtype], EMULATE=interpreting(),
+        MANT_BITS=mant, MIN_EXP=min_exp, IDX64=idx64, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
     return ((data, inv) if rows else None), data_t, inv_t
 
 
@@ -307,6 +292,5 @@ def quantize_groups_t(x: torch.Tensor, group: torch.Tensor, num_experts: int,
         rq, data_t, inv_t = seg_two_pass(x.detach(), group, offsets, num_experts, 0, (c, r), 0,
                                          r, dtype, rows, **kw)
         return rq, (data_t, inv_t)
-    rq, data_t, inv_t = _two_pass(x.detach(), group, num_experts, 0, (c, r), 0, r, dtype, rows,
-                                  **kw)
+    rq, data_t, inv_t = _two_pass(x.detach(), group, num_experts, dtype, rows, **kw)
     return rq, (data_t, inv_t)

@@ -155,6 +155,23 @@ def _seg_cast_kernel(x_ptr, grp_ptr, off_ptr, ramax_ptr, camax_ptr, q_ptr, inv_p
         tl.store(qt_ptr + offs_c[:, None] * OUT_C + row_out[None, :], qt, mask=mask_t)
 
 
+def two_pass_buffers(x2: torch.Tensor, num_groups: int, out_shape, dtype: torch.dtype,
+                     rows: bool):
+    """The outputs and zeroed amax tables of a two-pass expert cast of ``x2 [R, C]`` (this
+    module's and :mod:`.moe_cast`'s tiled one): ``(dummy, ramax [R] or dummy, camax [G, C],
+    data [R, C] or None, inv [R] or dummy, data_t out_shape, inv_t [G, C])``."""
+    r, c = x2.shape
+    dev = x2.device
+    dummy = torch.empty(1, dtype=torch.int32, device=dev)
+    ramax = torch.zeros(r, dtype=torch.int32, device=dev) if rows else dummy
+    camax = torch.zeros(num_groups, c, dtype=torch.int32, device=dev)
+    data = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
+    inv = torch.empty(r, dtype=torch.float32, device=dev) if rows else dummy
+    data_t = torch.empty(out_shape, dtype=dtype, device=dev)
+    inv_t = torch.empty(num_groups, c, dtype=torch.float32, device=dev)
+    return dummy, ramax, camax, data, inv, data_t, inv_t
+
+
 def two_pass(x2: torch.Tensor, group: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
              num_segments: int, seg: int, out_shape, out_g: int, out_c: int,
              dtype: torch.dtype, rows: bool, margin: int, power_of_2: bool):
@@ -167,13 +184,8 @@ def two_pass(x2: torch.Tensor, group: Optional[torch.Tensor], offsets: Optional[
     r, c = x2.shape
     dev = x2.device
     grouped = group is not None
-    dummy = torch.empty(1, dtype=torch.int32, device=dev)
-    ramax = torch.zeros(r, dtype=torch.int32, device=dev) if rows else dummy
-    camax = torch.zeros(num_segments, c, dtype=torch.int32, device=dev)
-    data = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
-    inv = torch.empty(r, dtype=torch.float32, device=dev) if rows else dummy
-    data_t = torch.empty(out_shape, dtype=dtype, device=dev)
-    inv_t = torch.empty(num_segments, c, dtype=torch.float32, device=dev)
+    dummy, ramax, camax, data, inv, data_t, inv_t = two_pass_buffers(x2, num_segments, out_shape,
+                                                                     dtype, rows)
     fmax = fp8_max(dtype)
     mant, min_exp = FP8_GRID[dtype]
     idx64 = needs_int64(x2) or data_t.numel() >= 2**31
@@ -188,9 +200,7 @@ def two_pass(x2: torch.Tensor, group: Optional[torch.Tensor], offsets: Optional[
         n_c = triton.cdiv(c, bc)
         split = max(1, min(_MAX_SPLIT, triton.cdiv(per_sm * sms, n_seg * n_c)))
         grid = (n_seg, n_c, split)
-        if rows:
-            ramax.zero_()
-        camax.zero_()
+        # The amax tables start at zero once: a timing re-run maxes the same values again.
         _seg_amax_kernel[grid](x2, grp, off, ramax, camax, r, c, x2.stride(0), x2.stride(1),
                                num_segments, seg, split, BLOCK_R=br, BLOCK_C=bc,
                                num_warps=warps, **common)
