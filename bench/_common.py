@@ -1,4 +1,5 @@
-"""What every single-GPU bench script records: the environment, and where its JSON goes."""
+"""What every single-GPU bench script records (the environment, where its JSON goes) and how it
+times a kernel."""
 from __future__ import annotations
 
 import datetime
@@ -28,3 +29,10 @@ def write_json(name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
     return path
+
+
+def bench(fn, warmup_ms=25, rep_ms=150) -> float:
+    """Median milliseconds of ``fn()`` on the GPU (``triton.testing.do_bench``)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")

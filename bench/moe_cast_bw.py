@@ -17,7 +17,6 @@ GB/s = bytes / median time. ``--peak-gbps`` (default: H100 SXM's 3350) gives the
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,23 +24,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import bench, env_info  # noqa: E402
 
 # (name, E, top-k, hidden, expert width)
 SHAPES = (("mixtral_8x7b", 8, 2, 4096, 14336), ("qwen3_30b_a3b", 128, 8, 2048, 768))
 GPU = "scaled_grouped_mm"
-
-
-def median_ms(fn, n: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for a, b in zip(starts, ends):
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in zip(starts, ends))[n // 2]
 
 
 def cells(name, e, k, h, i, t):
@@ -59,7 +47,7 @@ def cells(name, e, k, h, i, t):
         x[r.pos] = torch.randn(t * k, width, device="cuda").bfloat16()
         nbytes = r.rows * width * (2 + 1 + 1) + (r.rows + e * width) * 4
         for how, off in (("tiled", None), ("segmented", r.offsets)):
-            ms = median_ms(lambda: Q.quantize_tokens_and_groups_t(
+            ms = bench(lambda: Q.quantize_tokens_and_groups_t(
                 x, r.group, e, dt, so, backend=GPU, offsets=off))
             out.append(dict(shape=name, operand=f"{what} + ^T", kernels=how, ms=ms,
                             gbytes=nbytes / 1e9))
@@ -67,7 +55,7 @@ def cells(name, e, k, h, i, t):
     for what, n_out, k_in in (("W gate_up", 2 * i, h), ("W down", h, i)):
         w = (torch.randn(e, n_out, k_in, device="cuda") * 0.02).bfloat16()
         for tr, label in ((False, "rows"), (True, "^T")):
-            ms = median_ms(lambda: Q.quantize_experts(w, so, transpose=tr, backend=GPU))
+            ms = bench(lambda: Q.quantize_experts(w, so, transpose=tr, backend=GPU))
             nbytes = w.numel() * 3 + e * (k_in if tr else n_out) * 4
             out.append(dict(shape=name, operand=f"{what} {label}", kernels="segmented" if tr
                             else "rows", ms=ms, gbytes=nbytes / 1e9))
@@ -81,8 +69,6 @@ def main() -> None:
     ap.add_argument("--peak-gbps", type=float, default=3350.0)
     ap.add_argument("--output", default="bench/results/moe_cast_bw.json")
     args = ap.parse_args()
-    import triton
-
     rows = []
     for shape in SHAPES:
         rows += cells(*shape, args.tokens)
@@ -101,10 +87,8 @@ def main() -> None:
              for key, t in cache.timings.items()}
     for k, t in tuned.items():
         print(f"tuned {k}: " + ", ".join(f"{cfg} {ms:.3f}" for cfg, ms in t))
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=triton.__version__, date=datetime.date.today().isoformat(),
-               command=" ".join(sys.argv), tokens=args.tokens, peak_gbps=args.peak_gbps,
-               cells=rows, tuned=tuned)
+    res = dict(env_info(sys.argv), tokens=args.tokens, peak_gbps=args.peak_gbps, cells=rows,
+               tuned=tuned)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(res, f, indent=1)

@@ -41,16 +41,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import env_info, write_json  # noqa: E402 (bench/ is on sys.path)
+from _common import bench, env_info, write_json  # noqa: E402 (bench/ is on sys.path)
 
 SHAPES = {"qwen3_30b_a3b": (128, 8, 2048, 768), "mixtral_8x7b": (8, 2, 4096, 14336)}
 TOKENS = (2048, 4096, 8192, 16384)
-
-
-def bench(fn, warmup_ms=25, rep_ms=150) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 @contextlib.contextmanager
