@@ -149,8 +149,11 @@ def test_supports_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="_scaled_grouped_mm"):
         gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, False)
     calls = []
+    from fp8boost import _state
+
     assert gw.grouped_wgrad(a, a_inv, b, b_inv, r.offsets, False,
                             lambda: calls.append(1) or "torch") == "torch" and calls == [1]
+    assert _state.was_logged(("grouped-torch-only", "grouped_wgrad"))  # said, not silent
 
 
 def test_mm_supports_refuses_what_the_kernel_cannot_take():

@@ -6,11 +6,14 @@ class and runs the fastest.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Hashable, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from fp8boost import _state
 
 from .tuning import ConfigCache, interpreting
 
@@ -65,6 +68,16 @@ def refusal(name: str, a, a_inv, b, b_inv, offsets) -> ValueError:
                       f"{b.dtype}, a_inv {tuple(a_inv.shape)}, b_inv {tuple(b_inv.shape)}, "
                       f"offsets {tuple(offsets.shape)} {offsets.dtype} on {a.device}; use "
                       "torch._scaled_grouped_mm")
+
+
+def torch_only(name: str, a, b, torch_gemm: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``torch_gemm()`` for operands the Triton kernel ``name`` refuses, said once at INFO
+    (the experts then run torch's kernel alone at this shape, untimed against ours)."""
+    _state.log_once(logging.getLogger("fp8boost.fp8.kernels"), ("grouped-torch-only", name),
+                    f"fp8boost: the expert GEMM {name} runs torch._scaled_grouped_mm only: the "
+                    f"Triton kernel does not take a {tuple(a.shape)} {a.dtype} x "
+                    f"{tuple(b.shape)} {b.dtype} (see {name}.supports)", level=logging.INFO)
+    return torch_gemm()
 
 
 def fastest(cache: ConfigCache, key: Hashable, work: int,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .grouped_common import (CONFIGS, INTERP_CONFIG, TileConfig, common_ok, fastest,
-                             group_start, refusal)
+                             group_start, refusal, torch_only)
 from .tuning import ConfigCache, bucket
 
 _CACHE = ConfigCache("moe-mm")
@@ -116,7 +116,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: tor
     """The fastest of torch's kernel (``torch_mm()``) and this module's configs for this shape
     class, timed once on the GPU; torch's where the Triton kernel cannot take the operands."""
     if not supports(a, a_inv, b, b_inv, offsets):
-        return torch_mm()
+        return torch_only("grouped_mm", a, b, torch_mm)
     rows, k = a.shape
     e, n, _ = b.shape
     key = (bucket(rows), n, k, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)

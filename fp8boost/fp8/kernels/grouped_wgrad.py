@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .grouped_common import (CONFIGS, INTERP_CONFIG, TileConfig, common_ok, fastest,
-                             group_start, refusal)
+                             group_start, refusal, torch_only)
 from .tuning import ConfigCache, bucket
 
 _CACHE = ConfigCache("moe-wgrad")
@@ -115,7 +115,7 @@ def grouped_wgrad(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
     shape class, timed once on the GPU; torch's kernel where the Triton one cannot take the
     operands (:func:`supports`)."""
     if not supports(a, b, a_inv, b_inv, offsets):
-        return torch_wgrad()
+        return torch_only("grouped_wgrad", a, b, torch_wgrad)
     m, n, e, rows = a.shape[0], b.shape[0], offsets.shape[0], a.shape[1]
     key = (bucket(rows), m, n, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)
     return fastest(_CACHE, key, m * n * rows,
