@@ -36,7 +36,8 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # --preset -> (experts, top-k, expert FFN size) of the Mixtral-style layout
 MOE_SHAPES: dict[str, tuple[int, int, int]] = {
     "tiny": (4, 2, 128), "small": (8, 2, 512), "125m": (8, 2, 1024), "1b": (8, 2, 2816),
-    "7b": (8, 2, 11008), "7b-8l": (8, 2, 11008)}
+    "7b": (8, 2, 11008), "7b-8l": (8, 2, 11008),
+    "mistral-8l": (8, 2, 14336)}  # Mixtral-8x7B's experts (and GQA 32/8), 8 layers
 FINE_GRAINED = 4  # qwen3_moe: 4x the experts at 1/4 the FFN size, top 4x as many
 
 

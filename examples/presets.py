@@ -4,16 +4,18 @@ A preset fixes the architecture (width, depth, heads, FFN size); the vocabulary 
 from the tokenizer (256 for the byte-level tokenizer), so the same preset works with any
 tokenizer. Shapes follow well-known models where one exists:
 
-========  ======  ======  =====  =====  ======  ==================================
-preset    hidden  layers  heads  kv     ffn     shape of
-========  ======  ======  =====  =====  ======  ==================================
-tiny      128     4       4      4      352     (CPU smoke test; trains in ~1 min)
-small     512     8       8      8      1376    (~25M non-embedding params)
-125m      768     12      12     12     2048    GPT-2 small / OPT-125m width
-1b        2048    22      32     4      5632    TinyLlama-1.1B
-7b        4096    32      32     32     11008   Llama-2-7B
-7b-8l     4096    8       32     32     11008   Llama-2-7B shapes, 8 layers (benchmarks)
-========  ======  ======  =====  =====  ======  ==================================
+==========  ======  ======  =====  =====  ======  ==================================
+preset      hidden  layers  heads  kv     ffn     shape of
+==========  ======  ======  =====  =====  ======  ==================================
+tiny        128     4       4      4      352     (CPU smoke test; trains in ~1 min)
+small       512     8       8      8      1376    (~25M non-embedding params)
+125m        768     12      12     12     2048    GPT-2 small / OPT-125m width
+1b          2048    22      32     4      5632    TinyLlama-1.1B
+7b          4096    32      32     32     11008   Llama-2-7B
+7b-8l       4096    8       32     32     11008   Llama-2-7B shapes, 8 layers (benchmarks)
+mistral-8l  4096    8       32     8      14336   Mistral-7B shapes, 8 layers (--model
+                                                  mixtral: Mixtral-8x7B; benchmarks)
+==========  ======  ======  =====  =====  ======  ==================================
 
 Every hidden and FFN size is a multiple of 16, so all decoder linear layers are eligible for
 FP8 (Hopper FP8 GEMMs need dims divisible by 16).
@@ -46,6 +48,8 @@ PRESETS: dict[str, dict[str, int]] = {
                num_key_value_heads=32, intermediate_size=11008),
     "7b-8l": dict(hidden_size=4096, num_hidden_layers=8, num_attention_heads=32,
                   num_key_value_heads=32, intermediate_size=11008),
+    "mistral-8l": dict(hidden_size=4096, num_hidden_layers=8, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336),
 }
 
 # Training defaults per preset (any of them can be overridden on the command line). The tiny
@@ -60,6 +64,7 @@ TRAIN_DEFAULTS: dict[str, dict[str, float | int]] = {
     "1b": dict(seq_len=2048, batch_size=4, lr=3e-4, steps=2000),
     "7b": dict(seq_len=4096, batch_size=1, lr=1.5e-4, steps=1000),
     "7b-8l": dict(seq_len=4096, batch_size=2, lr=1.5e-4, steps=1000),
+    "mistral-8l": dict(seq_len=4096, batch_size=2, lr=1.5e-4, steps=1000),
 }
 CPU_STEPS: dict[str, int] = {"tiny": 150}
 

@@ -202,3 +202,24 @@ def test_time_ms_uses_short_do_bench(monkeypatch):
     assert seen == {"warmup": tuning.BENCH_WARMUP_MS, "rep": tuning.BENCH_REP_MS,
                     "return_mode": "median"}
     assert tuning.BENCH_WARMUP_MS + tuning.BENCH_REP_MS <= 30
+
+
+def test_a_tuning_run_that_tunes_another_cache_finishes(timer):
+    """Nested tuning (the experts' precision choice times FP8 experts whose first call tunes
+    the cast kernels) must not deadlock on the module lock: this hung on the GPU."""
+    import threading
+
+    inner = tuning.ConfigCache("inner")
+    outer = tuning.ConfigCache("outer")
+
+    def outer_run(cfg):
+        inner.pick(KEY, [C, A], timer.run)  # tunes on the first outer candidate
+        timer.run(cfg)
+
+    result = []
+    worker = threading.Thread(target=lambda: result.append(outer.pick(KEY, [A, B], outer_run)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "nested ConfigCache.pick deadlocked"
+    assert result == [B] and inner.best[KEY] == C

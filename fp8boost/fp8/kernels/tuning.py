@@ -41,7 +41,9 @@ import torch
 from ... import _state
 from ..._state import log_once
 
-_LOCK = threading.Lock()
+# Reentrant: a tuning run may itself tune (the experts' precision choice times the FP8
+# experts, whose first call tunes the cast and GEMM kernels); a plain Lock deadlocked there.
+_LOCK = threading.RLock()
 _AUTOTUNE = "fp8.kernels.autotune"  # the _state setting
 _LOG = logging.getLogger("fp8boost.fp8.kernels")
 _FORMAT = 1
