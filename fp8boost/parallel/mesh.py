@@ -225,8 +225,10 @@ class Topology:
         collective; only the moe-dp and ep groups are new)."""
         mesh = self._meshes.get("expert")
         if mesh is None:
-            mesh = self.mesh._unflatten("dp", (self.dims.moe_dp, self.dims.ep),
-                                        ("moe_dp", "ep"))
+            # By index, not by name: torch 2.11's _unflatten rejects every name its mesh has
+            # (an inverted check, "dim dp ... is not in ('dp', ...)"); 2.13 takes both.
+            dp = tuple(self.mesh.mesh_dim_names).index("dp")
+            mesh = self.mesh._unflatten(dp, (self.dims.moe_dp, self.dims.ep), ("moe_dp", "ep"))
             self._meshes["expert"] = mesh
         return mesh
 
