@@ -36,6 +36,15 @@ CONFIGS = (TileConfig(128, 128, 128, 4, 8), TileConfig(128, 256, 128, 3, 8),
 # Smaller problems (the GEMM's M * N * K) run torch's kernel untimed: timing compiles every
 # config (seconds), repaid only where the GEMM is a measurable share of a step.
 TUNE_MIN_WORK = 1 << 32
+# The configs each dispatcher times against torch's kernel (CONFIGS: every config, tested and
+# benchmarked). From bench/moe_gemm.py on an H200, 2026-11-28 (moe_gemm_h200_2026-11-28.json,
+# promoted accumulation): M-grouped input gradient, (64, 128, 128) beat torch 1.5-2.2x at
+# Qwen3-30B-A3B's shapes and (128, 128, 128) came second (torch won at Mixtral's); the
+# K-grouped weight gradient reached 76-177 TFLOP/s in every config, below torch's kernel at
+# every shape (150-927), so it is not offered until it is faster: each offered config is a
+# Triton compile at first use (seconds on every rank), paid for nothing.
+MM_OFFERED = (TileConfig(64, 128, 128, 4, 4), TileConfig(128, 128, 128, 4, 8))
+WGRAD_OFFERED: tuple[TileConfig, ...] = ()
 INTERP_CONFIG = TileConfig(16, 32, 32, 1, 1)
 
 
@@ -82,14 +91,15 @@ def torch_only(name: str, a, b, torch_gemm: Callable[[], torch.Tensor]) -> torch
 
 def fastest(cache: ConfigCache, key: Hashable, work: int,
             launch: Callable[[TileConfig], torch.Tensor],
-            torch_gemm: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Run ``launch(cfg)`` with the config timed fastest for ``key`` against ``torch_gemm()``
-    (once on the GPU; problems of ``work`` under :data:`TUNE_MIN_WORK` take torch's untimed,
-    the interpreter :data:`INTERP_CONFIG`)."""
+            torch_gemm: Callable[[], torch.Tensor],
+            offered: tuple[TileConfig, ...]) -> torch.Tensor:
+    """Run ``launch(cfg)`` with the config of ``offered`` timed fastest for ``key`` against
+    ``torch_gemm()`` (once on the GPU; problems of ``work`` under :data:`TUNE_MIN_WORK` take
+    torch's untimed, as does an empty ``offered``; the interpreter :data:`INTERP_CONFIG`)."""
     if interpreting():
         return launch(INTERP_CONFIG)
 
     def run(cfg):
         return torch_gemm() if cfg == TORCH else launch(cfg)
 
-    return run(cache.pick(key, (TORCH,) + CONFIGS, run, bench=work >= TUNE_MIN_WORK))
+    return run(cache.pick(key, (TORCH,) + offered, run, bench=work >= TUNE_MIN_WORK))

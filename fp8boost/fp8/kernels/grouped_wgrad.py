@@ -15,10 +15,11 @@ and add nothing; an expert with no rows gets zeros. Accumulation: fast (the tens
 accumulator over the whole group) or promoted to FP32 every ``BLOCK_K`` rows
 (``max_num_imprecise_acc``), as the dense Triton GEMM does.
 
-:func:`grouped_wgrad` times this kernel's configs against torch's kernel once per shape class
-on the GPU (:class:`~fp8boost.fp8.kernels.tuning.ConfigCache` ``"moe-wgrad"``) and runs the
-fastest, so it is never slower than torch's where both run; small problems keep torch's
-kernel untimed (:func:`.grouped_common.fastest`).
+:func:`grouped_wgrad` times the configs of :data:`.grouped_common.WGRAD_OFFERED` against
+torch's kernel once per shape class on the GPU (:class:`~fp8boost.fp8.kernels.tuning.ConfigCache`
+``"moe-wgrad"``) and runs the fastest. None is offered today: on an H200 this kernel reached
+76-177 TFLOP/s, below torch's at every shape measured (issue 34; bench/moe_gemm.py times each
+config), so the experts run torch's kernel untimed until a faster version lands.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped_common import (CONFIGS, INTERP_CONFIG, TileConfig, common_ok, fastest,
-                             group_start, refusal, torch_only)
+from .grouped_common import (WGRAD_OFFERED, CONFIGS, INTERP_CONFIG, TileConfig, common_ok,
+                             fastest, group_start, refusal, torch_only)
 from .tuning import ConfigCache, bucket
 
 _CACHE = ConfigCache("moe-wgrad")
@@ -120,4 +121,4 @@ def grouped_wgrad(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
     key = (bucket(rows), m, n, e, a.dtype, b.dtype, bool(fast_accum), a.device.index)
     return fastest(_CACHE, key, m * n * rows,
                    lambda cfg: _launch(a, a_inv, b, b_inv, offsets, fast_accum, cfg),
-                   torch_wgrad)
+                   torch_wgrad, WGRAD_OFFERED)
