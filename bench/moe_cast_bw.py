@@ -10,7 +10,8 @@ grouped GEMMs of one training step need, cast by the fused Triton kernels
 * expert weights: the rows operand (forward) and ``W^T`` (input gradient).
 
 Bytes are the floor: the input read once (BF16) and each FP8 layout written once (+ scales);
-GB/s = bytes / median time. ``--peak-gbps`` (default: H100 SXM's 3350) gives the fraction.
+GB/s = bytes / median time. ``--peak-gbps`` (default: the GPU's HBM peak, :data:`PEAK_GBPS`
+by device name: H100 SXM 3350, H200 4800) gives the fraction.
 
     python3 bench/moe_cast_bw.py [--tokens 8192] [--output bench/results/moe_cast_bw.json]
 """
@@ -63,12 +64,24 @@ def cells(name, e, k, h, i, t):
     return out
 
 
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}
+
+
+def default_peak() -> float:
+    """The HBM peak of this GPU by name (H100 SXM's when the name is not in PEAK_GBPS)."""
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_GBPS.items() if k in name), PEAK_GBPS["H100"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--peak-gbps", type=float, default=3350.0)
+    ap.add_argument("--peak-gbps", type=float, default=None,
+                    help="HBM peak for the fraction (default: by GPU name)")
     ap.add_argument("--output", default="bench/results/moe_cast_bw.json")
     args = ap.parse_args()
+    if args.peak_gbps is None:
+        args.peak_gbps = default_peak()
     rows = []
     for shape in SHAPES:
         rows += cells(*shape, args.tokens)
