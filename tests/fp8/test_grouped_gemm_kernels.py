@@ -125,6 +125,29 @@ class TestInterpreter:
         assert rel(got, want) < 1e-2
         assert (got.float() - want).abs().max() < 1e-2 * want.abs().max()
 
+    @pytest.mark.parametrize("probs", [[0.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0],
+                                       [5.0, 1.0, 0.0, 0.0, 3.0]],
+                             ids=["first-empty", "last-empty", "one-expert", "two-empty"])
+    def test_streams_every_routing_layout(self, gw, probs):
+        """The kernel streams all experts' rows in one loop and stores each expert's tile at
+        its last chunk: empty experts first, last and side by side, one expert, and experts
+        of several chunks (150 tokens over 32-row chunks) all give the reference."""
+        e = len(probs)
+        g = torch.Generator().manual_seed(7)
+        idx = torch.multinomial(torch.tensor(probs).expand(150, e), 1, generator=g)
+        r = route(idx, e)
+        keep = (r.group < e).view(1, -1)
+        a = torch.where(keep, torch.randn(24, r.rows, generator=g) * 4, 0).to(E4M3)
+        b = torch.where(keep, torch.randn(40, r.rows, generator=g) * 4, 0).to(E4M3)
+        a_inv = torch.rand(e, 24, generator=g) + 0.25
+        b_inv = torch.rand(e, 40, generator=g) + 0.25
+        got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, False, gw.INTERP_CONFIG)
+        want = emulated_mm_wgrad(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
+        for ex, p in enumerate(probs):
+            if p == 0:
+                assert (got[ex] == 0).all(), ex
+        assert rel(got, want) < 1e-2
+
     def test_dispatch_runs_the_kernel_in_the_interpreter(self, gw):
         r, a, a_inv, b, b_inv = operands(40, 2, 4, 32, 48, seed=1)
 
