@@ -20,7 +20,7 @@ from typing import Any
 
 _SUBMODULES = ("accelerator", "booster", "checkpoint_io", "cluster", "initialize", "interface",
                "lazy", "logging", "nn", "pipeline", "quantization", "shardformer", "testing",
-               "utils")
+               "utils", "zero")
 _INITIALIZE = ("launch", "launch_from_torch")
 
 __all__ = [*_INITIALIZE, *_SUBMODULES]

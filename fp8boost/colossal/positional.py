@@ -36,13 +36,16 @@ def _colossal_signature(cls: type, order: Sequence[str],
 
 
 def with_colossal_order(cls: type, order: Sequence[str],
-                        defaults: Optional[Mapping[str, Any]] = None) -> type:
+                        defaults: Optional[Mapping[str, Any]] = None,
+                        methods: Optional[Mapping[str, Any]] = None) -> type:
     """A subclass of ``cls`` whose positional arguments follow ``order`` (Colossal-AI's).
 
     Positional arguments are bound to ``order`` by position and passed on as keywords;
     more positionals than ``order`` has, or a name given both ways, raise ``TypeError`` as
     Python does. ``defaults`` are Colossal-AI's defaults where they differ from fp8boost's
-    (applied when the argument is not given; the signature shows them).
+    (applied when the argument is not given; the signature shows them). ``methods`` are
+    added to the subclass (what only the Colossal-AI-facing class answers differently, e.g.
+    ``get_checkpoint_io``).
     """
     order, defaults = tuple(order), dict(defaults or {})
     signature = _colossal_signature(cls, order, defaults)
@@ -62,5 +65,6 @@ def with_colossal_order(cls: type, order: Sequence[str],
          *signature.parameters.values()])
     namespace = {"__init__": __init__, "__doc__": cls.__doc__, "__signature__": signature,
                  "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "colossal_order": order, "colossal_defaults": MappingProxyType(defaults)}
+                 "colossal_order": order, "colossal_defaults": MappingProxyType(defaults),
+                 **(methods or {})}
     return type(cls.__name__, (cls,), namespace)

@@ -5,7 +5,7 @@
 are Colossal-AI's defaults where fp8boost's differ: ``save_model`` writes one file unless asked
 to shard (``shard=False``; fp8boost's own Booster shards by default, into the folder
 ``from_pretrained`` loads). ``booster.checkpoint_io`` is the plugin's checkpoint IO with
-Colossal-AI's method signatures (:class:`fp8boost.colossal.checkpoint_io.GeneralCheckpointIO`).
+Colossal-AI's method signatures (:func:`fp8boost.colossal.checkpoint_io.checkpoint_io_for`).
 
 Example:
     >>> from fp8boost.colossal.booster.booster import Booster
@@ -40,9 +40,11 @@ class Booster(_Ordered):
     @property
     def checkpoint_io(self):
         """The plugin's checkpoint IO with Colossal-AI's signatures (``save_model(model,
-        checkpoint, shard, ...)``, ``_sync_d2h()``, ``_sync_io()``, ...)."""
-        from fp8boost.colossal.checkpoint_io import GeneralCheckpointIO
-        return GeneralCheckpointIO(plugin=self.plugin)
+        checkpoint, shard, ...)``, ``_sync_d2h()``, ``_sync_io()``, ...): a
+        ``HybridParallelCheckpointIO`` / ``MoECheckpointIO`` for the hybrid / MoE plugins, else
+        a ``GeneralCheckpointIO`` (:func:`fp8boost.colossal.checkpoint_io.checkpoint_io_for`)."""
+        from fp8boost.colossal.checkpoint_io import checkpoint_io_for
+        return checkpoint_io_for(self.plugin)
 
 
 Booster.__module__ = __name__

@@ -44,7 +44,8 @@ class GeneralCheckpointIO:
         >>> io.save_model(model, os.path.join(tmp, "model.safetensors"))
         >>> io.save_optimizer(opt, os.path.join(tmp, "optim.bin"))
         >>> new = torch.nn.Linear(2, 2); new_opt = torch.optim.Adam(new.parameters())
-        >>> io.load_model(new, os.path.join(tmp, "model.safetensors"))
+        >>> io.load_model(new, os.path.join(tmp, "model.safetensors")) is new
+        True
         >>> io.load_optimizer(new_opt, os.path.join(tmp, "optim.bin"))
         >>> torch.equal(new.weight, model.weight), new_opt.state_dict()["state"][0]["step"]
         (True, tensor(1.))
@@ -69,10 +70,11 @@ class GeneralCheckpointIO:
                                 use_safetensors, use_async)
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True,
-                   low_cpu_mem_mode: bool = True, num_threads: int = 1) -> None:
+                   low_cpu_mem_mode: bool = True, num_threads: int = 1) -> nn.Module:
         """Load a file or directory written by :meth:`save_model` (or a ``torch.save`` state
-        dict, or HF ``save_pretrained``'s folder)."""
+        dict, or HF ``save_pretrained``'s folder). Returns ``model``, as Colossal-AI's."""
         self.booster.load_model(model, checkpoint, strict, low_cpu_mem_mode, num_threads)
+        return model
 
     # ------------------------------------------------------------------------ optimizers
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False,
@@ -125,6 +127,10 @@ class GeneralCheckpointIO:
 
     def _sync_io(self) -> None:
         """Wait for the file writes of async saves: saves here are synchronous."""
+
+    def synchronize(self) -> None:
+        """Colossal-AI's wait before the weights change (``_sync_d2h``): nothing is pending."""
+        self._sync_d2h()
 
 
 def _one_file_state(optimizer) -> bool:

@@ -3,7 +3,9 @@
 Each is fp8boost's own plugin class with Colossal-AI's positional order
 (:func:`fp8boost.colossal.positional.with_colossal_order`; the orders are Colossal-AI v0.5.0's,
 commit 4f9953be), so ``GeminiPlugin("cuda", ...)``-style positional calls bind as they do
-there. Keyword calls behave exactly as on ``fp8boost.plugins``.
+there. Keyword calls behave exactly as on ``fp8boost.plugins``. ``HybridParallelPlugin`` and
+``MoeHybridParallelPlugin`` also answer ``get_checkpoint_io()`` as Colossal-AI's do: a
+``HybridParallelCheckpointIO`` / ``MoECheckpointIO`` (``fp8boost.colossal.checkpoint_io``).
 
 Example:
     >>> from fp8boost.colossal.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
@@ -11,6 +13,7 @@ Example:
 from types import MappingProxyType
 
 from fp8boost import plugins as _plugins
+from fp8boost.colossal.checkpoint_io import HybridParallelCheckpointIO, MoECheckpointIO
 from fp8boost.colossal.positional import with_colossal_order
 from fp8boost.plugins import Plugin
 
@@ -78,12 +81,31 @@ scaling), the ZeRO bucket size (None: fp8boost's measured choice, 12 MB there) a
 LowLevelZeroPlugin = with_colossal_order(_plugins.LowLevelZeroPlugin, ORDERS["LowLevelZeroPlugin"],
                                          DEFAULTS["LowLevelZeroPlugin"])
 GeminiPlugin = with_colossal_order(_plugins.GeminiPlugin, ORDERS["GeminiPlugin"])
-HybridParallelPlugin = with_colossal_order(_plugins.HybridParallelPlugin,
-                                           ORDERS["HybridParallelPlugin"])
+
+
+def _colossal_checkpoint_io(io_class: type, base: type):
+    """``get_checkpoint_io`` of a Colossal-AI-facing plugin: ``io_class`` (Colossal-AI's
+    signatures) over the fp8boost plugin's own checkpoint IO."""
+
+    def get_checkpoint_io(self) -> HybridParallelCheckpointIO:
+        return io_class(self, native=base.get_checkpoint_io(self))
+
+    get_checkpoint_io.__doc__ = (
+        f"Colossal-AI's ``{io_class.__name__}``: its save/load signatures over "
+        f"``{base.__name__}``'s own checkpoint IO (its ``native``).")
+    return get_checkpoint_io
+
+
+HybridParallelPlugin = with_colossal_order(
+    _plugins.HybridParallelPlugin, ORDERS["HybridParallelPlugin"],
+    methods={"get_checkpoint_io": _colossal_checkpoint_io(HybridParallelCheckpointIO,
+                                                          _plugins.HybridParallelPlugin)})
 TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
 TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"])
-MoeHybridParallelPlugin = with_colossal_order(_plugins.MoeHybridParallelPlugin,
-                                              ORDERS["MoeHybridParallelPlugin"])
+MoeHybridParallelPlugin = with_colossal_order(
+    _plugins.MoeHybridParallelPlugin, ORDERS["MoeHybridParallelPlugin"],
+    methods={"get_checkpoint_io": _colossal_checkpoint_io(MoECheckpointIO,
+                                                          _plugins.MoeHybridParallelPlugin)})
 
 __all__ = ["Plugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "TorchFSDPPlugin",
            "HybridParallelPlugin", "MoeHybridParallelPlugin", "ORDERS", "DEFAULTS"]
