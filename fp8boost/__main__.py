@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 import fp8boost
+from fp8boost.fp8.backends import get_backend
 
 
 def _version(module: str) -> Optional[str]:
@@ -48,8 +49,6 @@ def _gpus() -> list[dict[str, Any]]:
 
 def backend_choice(device: torch.device) -> tuple[str, str]:
     """(backend name, why) that ``Fp8Config(backend="auto")`` resolves to on ``device``."""
-    from fp8boost.fp8.backends import get_backend
-
     # get_backend warns once about each fallback: those warnings are the "why".
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -67,6 +67,7 @@ _INIT_COUNT = [0]
 
 def _rank() -> int:
     """This process's rank in the job: the process group's, else torchrun's ``RANK``, else 0."""
+    # lazy: _state imports no torch at import time (every module imports _state)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -165,6 +166,7 @@ def step_epoch() -> int:
     if not _STEP_HOOK:
         with _LOCK:
             if not _STEP_HOOK:
+                # lazy: _state imports no torch at import time (every module imports _state)
                 from torch.optim.optimizer import register_optimizer_step_post_hook
 
                 _STEP_HOOK.append(register_optimizer_step_post_hook(_bump_epoch))

@@ -6,10 +6,16 @@ included, so a lazy import cannot hide an upward arrow or a circle. Only imports
 ``if TYPE_CHECKING:`` (never executed) are left out of the cycle check; they still count for
 the layer order. ``from package import name`` is an import of the submodule ``package.name``
 where that is a module, else of the package.
+
+An import inside a function says why it is not at module level: a comment on its line, or on
+the line just above it (or above the run of imports it belongs to), e.g. ``# lazy: triton is
+optional``. Everything else is imported at the top of its module.
 """
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "fp8boost"
@@ -145,3 +151,78 @@ def test_the_checker_sees_what_it_must():
     assert "fp8boost.fp8.moe.experts" in graph["fp8boost.parallel.comm.expert_gather"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert RANK["plugins"] > RANK["parallel"] > RANK["fp8"]
+
+
+def _unexplained_function_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of each import inside a function with no reason comment: none on its
+    first line, none on the line just above it or above the run of imports it ends."""
+    tree = ast.parse(source)
+    comment_only, with_comment = set(), set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            line = tok.start[0]
+            (comment_only if tok.line[:tok.start[1]].strip() == "" else with_comment).add(line)
+    explained, out = set(), []
+
+    def visit(node, in_function: bool) -> None:
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            stmts = getattr(node, field, None)
+            if not isinstance(stmts, list):
+                continue
+            prev = None
+            for stmt in stmts:
+                if in_function and isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    ok = (stmt.lineno in with_comment or stmt.lineno - 1 in comment_only
+                          or (isinstance(prev, (ast.Import, ast.ImportFrom))
+                              and id(prev) in explained and stmt.lineno == prev.end_lineno + 1))
+                    if ok:
+                        explained.add(id(stmt))
+                    else:
+                        names = [a.name for a in stmt.names] if isinstance(stmt, ast.Import) \
+                            else ["." * stmt.level + (stmt.module or "")]
+                        out.append((stmt.lineno, ", ".join(names)))
+                prev = stmt
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return out
+
+
+def test_function_level_imports_say_why():
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        for line, name in _unexplained_function_imports(path.read_text(encoding="utf-8")):
+            bad.append(f"{rel}:{line}: import {name}")
+    assert not bad, ("imports inside functions without a reason comment (hoist them to module "
+                     "level, or say why on the line or the line above, e.g. '# lazy: triton "
+                     "is optional'):\n" + "\n".join(bad))
+
+
+def test_the_reason_check_sees_what_it_must():
+    src = (
+        "import os\n"
+        "def f():\n"
+        "    import json\n"                                 # 3: no reason
+        "    import re  # lazy: a reason on the line\n"
+        "    # lazy: a reason above a run of two\n"
+        "    import math\n"
+        "    from typing import Any\n"
+        "    x = '# not a comment'\n"
+        "    import sys\n"                                  # 9: a string is not a comment
+        "    if x:\n"
+        "        # lazy: reason\n"
+        "        from . import y\n"
+        "    try:\n"
+        "        from .z import w\n"                        # 14: try: gives no reason
+        "    except ImportError:\n"
+        "        pass\n"
+        "    g = lambda: __import__('a')\n"
+        "class C:\n"
+        "    import abc\n"                                  # class body: module-level
+        "    def m(self):\n"
+        "        from .k import v\n")                       # 21
+    assert _unexplained_function_imports(src) == [(3, "json"), (9, "sys"), (14, ".z"),
+                                                   (21, ".k")]

@@ -8,9 +8,17 @@ from typing import ContextManager, Optional, Union
 import torch
 from torch import nn
 
+from fp8boost import _state
+from fp8boost.export.layouts import make_spec
+from fp8boost.export.save import save_fp8_model
+from fp8boost.hf_model import disable_kv_cache
+from fp8boost.parallel.nonfinite import NonFiniteGuard
+from fp8boost.plugins.checkpoint_io.single_file import (is_file_target, load_model_file,
+                                                        save_model_file)
 from fp8boost.plugins.local_plugin import LocalPlugin
 from fp8boost.plugins.plugin_base import Plugin
 
+from .lora import drop_frozen_params, enable_lora, is_peft_model, save_lora_as_pretrained
 from .mixed_precision import MixedPrecision
 
 
@@ -45,8 +53,6 @@ class Booster:
                  mixed_precision: Union[str, MixedPrecision, None] = None,
                  device: Union[str, torch.device, None] = None,
                  nonfinite_guard: Union[bool, "NonFiniteGuard"] = True) -> None:
-        from fp8boost.parallel.nonfinite import NonFiniteGuard
-
         if not isinstance(nonfinite_guard, (bool, NonFiniteGuard)):
             raise TypeError("nonfinite_guard must be True, False or a NonFiniteGuard, got "
                             f"{type(nonfinite_guard).__name__}")
@@ -84,13 +90,10 @@ class Booster:
         dataloader reads this rank's share of the data; the lr scheduler is returned unchanged
         (it keeps driving the wrapped optimizer's learning rates).
         """
-        from fp8boost.hf_model import disable_kv_cache
-
         # Training never builds a KV cache (memory; under torch.compile, per-block cache guards
         # that push blocks past dynamo's recompile limit into eager), whatever the config says.
         if isinstance(model, nn.Module):
             disable_kv_cache(model)
-        from .lora import drop_frozen_params, is_peft_model
         if is_peft_model(model):  # LoRA: no masters/state for the frozen base (booster/lora.py)
             drop_frozen_params(optimizer)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler,
@@ -191,7 +194,6 @@ class Booster:
             ...     r=8, target_modules=["q_proj", "v_proj"]))                    # doctest: +SKIP
             >>> model, optimizer, *_ = booster.boost(model, optimizer)          # doctest: +SKIP
         """
-        from .lora import enable_lora
         return enable_lora(self.plugin, model, pretrained_dir, lora_config,
                            bnb_quantization_config, quantize)
 
@@ -203,7 +205,6 @@ class Booster:
         Example:
             >>> booster.save_lora_as_pretrained(model, "adapters/")             # doctest: +SKIP
         """
-        from .lora import save_lora_as_pretrained
         save_lora_as_pretrained(self.plugin, model, checkpoint, use_safetensors)
 
     # ------------------------------------------------------------------------- checkpoints
@@ -250,8 +251,7 @@ class Booster:
         path = _one_path(checkpoint, path, "save_model")
         size = _shard_size(size_per_shard, size_per_shard_mb)
         if fp8_export is not None or calibration_batches is not None:
-            from fp8boost.export.layouts import make_spec  # validates before any collective
-            from fp8boost.export.save import save_fp8_model
+            # make_spec validates before any collective
             spec = make_spec(fp8_export, activation_scheme, weight_strategy, kv_cache_scales,
                              calibration_batches)
             if not isinstance(size, (int, float)) or size <= 0:
@@ -264,7 +264,6 @@ class Booster:
             _log_info("use_safetensors", "fp8boost: save_model(use_safetensors=False): model "
                       "checkpoints are always safetensors files (load_model reads them)")
         io = self.plugin.get_checkpoint_io()
-        from fp8boost.plugins.checkpoint_io.single_file import is_file_target, save_model_file
         if not shard and is_file_target(path):
             if not isinstance(size, (int, float)) or size <= 0:
                 raise ValueError(f"size_per_shard_mb must be > 0, got {size!r}")
@@ -288,7 +287,6 @@ class Booster:
                       num_threads=(num_threads, 1))
         io = self.plugin.get_checkpoint_io()
         if os.path.isfile(path):
-            from fp8boost.plugins.checkpoint_io.single_file import load_model_file
             load_model_file(io, model, path, strict)
             return
         io.load_model(model, path, strict)
@@ -389,7 +387,6 @@ def check_bool_arg(name: str, value) -> None:
 
 
 def _log_info(key: str, message: str) -> None:
-    from fp8boost import _state
     _state.log_once(_logger, ("booster-colossal-arg", key), message, level=logging.INFO)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.plugins.wrappers import ModelWrapper
 
 __all__ = ["enable_lora", "save_lora_as_pretrained", "is_peft_model", "drop_frozen_params",
            "adapter_state_dict", "whole_param"]
@@ -34,6 +35,7 @@ _QUANTIZE_WHY = ("fp8boost does not quantize the frozen base with bitsandbytes; 
 
 def _require_peft():
     try:
+        # lazy: peft is optional (pip install 'fp8boost[lora]')
         import peft
     except ImportError as exc:  # an environment problem, said before anything runs
         raise ImportError("Booster.enable_lora needs the peft package: pip install peft "
@@ -63,8 +65,6 @@ def enable_lora(plugin, model: nn.Module, pretrained_dir: Optional[str] = None,
     See :meth:`fp8boost.booster.Booster.enable_lora`. Every check runs before anything else
     (no collective is involved at all).
     """
-    from fp8boost.plugins.wrappers import ModelWrapper
-
     if quantize or bnb_quantization_config is not None:
         raise ValueError(f"enable_lora(quantize=True / bnb_quantization_config=...): "
                          f"{_QUANTIZE_WHY}")

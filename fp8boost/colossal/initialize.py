@@ -9,6 +9,12 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
+from fp8boost.colossal.logging import get_dist_logger
+from fp8boost.colossal.utils import set_seed
+
 __all__ = ["launch", "launch_from_torch"]
 
 #: how long a collective waits for a missing peer before the job fails (instead of hanging)
@@ -16,8 +22,6 @@ TIMEOUT_S = 1800.0
 
 
 def _backend(backend: str) -> Optional[str]:
-    import torch
-
     # Colossal-AI's default is "nccl"; on a machine without CUDA the script still runs on
     # gloo (init_distributed's choice) rather than failing inside NCCL.
     if backend == "nccl" and not torch.cuda.is_available():
@@ -66,7 +70,6 @@ def default_local_rank(rank: int, local_rank: Optional[int] = None) -> int:
         return int(local_rank)
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
-    import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return rank % count if count else 0
@@ -96,10 +99,7 @@ def launch_from_torch(backend: str = "nccl", seed: int = 1024, verbose: bool = T
 
 
 def _init_and_seed(backend: str, seed: int, verbose: bool, config: Any) -> None:
-    import torch.distributed as dist
-
-    from fp8boost.colossal.logging import get_dist_logger
-    from fp8boost.colossal.utils import set_seed
+    # lazy: fp8boost.plugins loads every plugin (Triton, torch.compile); this module stays light
     from fp8boost.plugins.distributed import init_distributed
 
     logger = get_dist_logger()

@@ -64,6 +64,7 @@ def load_dequantized(path: str, dtype: torch.dtype = torch.float32):
     Example:
         >>> model = load_dequantized("/tmp/export")  # doctest: +SKIP
     """
+    # lazy: transformers takes seconds to import; only HF models get here
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with open(os.path.join(path, "config.json")) as f:

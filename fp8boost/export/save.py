@@ -11,6 +11,7 @@ from torch import nn
 from ..plugins.checkpoint_io import coordination as coord
 from ..plugins.checkpoint_io.atomic import atomic_save_dir
 from ..plugins.checkpoint_io.formats import MODEL_INDEX, MODEL_SINGLE
+from . import writer
 from .calibrate import observe
 from .layouts import ExportSpec
 from .quantize import find_targets
@@ -69,9 +70,8 @@ def save_fp8_model(plugin, model: nn.Module, path: str, spec: ExportSpec, shard:
         scratch = os.path.join(tmp, SCRATCH)
         io.save_model(model, scratch, shard, size_mb)
         if coord.rank(io.group) == 0:
-            from .writer import convert
             try:
-                convert(scratch, tmp, targets, ignored, spec, stats, shard)
+                writer.convert(scratch, tmp, targets, ignored, spec, stats, shard)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
 

@@ -189,6 +189,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     tiles it itself under ``torch.compile``)."""
     if data.is_cuda and not compiling() and data.is_contiguous():
         try:
+            # lazy: the kernel imports triton, which is optional
             from .kernels.transpose import transpose_bytes
         except ImportError:  # no triton: the plain op is still correct
             return data.t().contiguous()

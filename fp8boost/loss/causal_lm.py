@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.fp8.convert import is_fp8_layer
 
 from .linear_cross_entropy import VocabParallel, chunked_linear_cross_entropy
 
@@ -304,6 +305,7 @@ def _loss_kind(model: nn.Module) -> Union[Optional[VocabParallel], str]:
         return vp if vp.head_input is not None else \
             "its vocabulary-parallel loss does not say which collective feeds the lm_head"
     try:
+        # lazy: transformers takes seconds to import; only HF models get here
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
         return "transformers is not installed"
@@ -345,7 +347,6 @@ def install_fused_lm_loss(model: nn.Module, setting: object = True, *,
             or not hasattr(type(hf), "loss_function"):
         return "not an HF causal LM"
     name = type(hf).__name__
-    from fp8boost.fp8.convert import is_fp8_layer
     if config is not None and is_fp8_layer(hf.lm_head):
         _state.warn_once(("fused-lm-loss-fp8-head", name),
                          f"fp8boost: {name}'s lm_head runs in FP8, so its loss is not fused with "

@@ -50,6 +50,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIM_NAMES = ("dp", "pp", "sp", "tp")
 """The dense mesh's axes, outermost first."""
@@ -196,8 +197,6 @@ class ParallelDims:
                              f"{dist.get_world_size()} were launched")
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
         grid = self.dense_ranks()
         if torch.equal(grid.flatten(), torch.arange(self.world_size)):  # dp contiguous
             mesh = init_device_mesh(device_type, tuple(grid.shape), mesh_dim_names=DIM_NAMES)

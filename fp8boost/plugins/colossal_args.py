@@ -19,6 +19,9 @@ from typing import Any, Optional
 import torch
 
 from fp8boost import _state
+from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
+
+from .grad_ckpt_config import GradientCheckpointConfig
 
 logger = logging.getLogger("fp8boost.plugins")
 
@@ -81,7 +84,6 @@ def make_scaler(precision: str, initial_scale: float, growth_interval: int, extr
     """The fp16 ``DynamicLossScaler`` with Colossal-AI's mapped arguments (None otherwise)."""
     if precision != "fp16":
         return None
-    from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
     return DynamicLossScaler(initial_scale, growth_interval=growth_interval, **extra)
 
 
@@ -200,7 +202,6 @@ def _check_scheduler_nodes(nodes: object, pp_size: int, pp_style: str,
 def _check_ckpt_config(config: object):
     if config is None:
         return None
-    from .grad_ckpt_config import GradientCheckpointConfig
     if not isinstance(config, GradientCheckpointConfig):
         raise TypeError("gradient_checkpoint_config must be a fp8boost.colossal.shardformer."
                         "(Pipeline)GradientCheckpointConfig or None, got "

@@ -15,7 +15,9 @@ from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 
 from .colossal_args import check_bools, log_info, log_tuning
 
@@ -41,7 +43,6 @@ class FsdpColossalArgs:
 def _mixed_precision(mp: Any) -> Optional[str]:
     if mp is None:
         return None
-    from torch.distributed.fsdp import MixedPrecision
     if not isinstance(mp, MixedPrecision):
         raise TypeError("mixed_precision must be a torch.distributed.fsdp.MixedPrecision or None "
                         f"(or pass precision='bf16'), got {type(mp).__name__}")
@@ -65,7 +66,6 @@ def _mixed_precision(mp: Any) -> Optional[str]:
 def _sharding(strategy: Any) -> Optional[bool]:
     if strategy is None:
         return None
-    from torch.distributed.fsdp import ShardingStrategy
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError("sharding_strategy must be a torch.distributed.fsdp.ShardingStrategy or "
                         f"None, got {strategy!r}")
@@ -85,7 +85,6 @@ def _cpu_offload(cpu_offload: Any) -> bool:
         return cpu_offload
     if cpu_offload is None:
         return False
-    from torch.distributed.fsdp import CPUOffload
     if not isinstance(cpu_offload, CPUOffload):
         raise TypeError("cpu_offload must be True/False or a torch.distributed.fsdp.CPUOffload, "
                         f"got {type(cpu_offload).__name__}")
@@ -105,7 +104,6 @@ def fsdp_args(*, precision: str, reshard_after_forward: bool, process_group: Any
     check_bools(sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                  limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)
     if process_group is not None:
-        import torch.distributed as dist
         if process_group is not dist.group.WORLD:
             raise ValueError("process_group: fp8boost's TorchFSDPPlugin shards over every rank; "
                              "use process_group=None, or HybridParallelPlugin(tp_size=..., "

@@ -13,9 +13,17 @@ import torch
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.fp8 import is_fp8_layer
+from fp8boost.parallel.comm.config import Fp8CommConfig
+from fp8boost.parallel.comm.expert_gather import report_expert_gather
 from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
+from fp8boost.parallel.fsdp import wiring
+from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8_reduce_scatter
 from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
 
+from .checkpoint_io.dcp import DTensorCheckpointIO
+from .checkpoint_io.pretrained import load_remembered
+from .colossal_args_fsdp import apply_param_init_fn
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
 from .granular_comm import block_gathered, is_granular, report_granular_gather
@@ -50,13 +58,10 @@ class FsdpPluginBase(Plugin):
     allow_no_sync = True
 
     def get_checkpoint_io(self):
-        from .checkpoint_io.dcp import DTensorCheckpointIO
         return DTensorCheckpointIO(self)
 
     # configure's steps (Plugin.configure)
     def validate(self, model: nn.Module, optimizer) -> None:
-        from fp8boost.parallel.fsdp import wiring
-
         if optimizer is not None and len(optimizer.state) > 0:
             raise ValueError("the optimizer already has state; build a fresh optimizer on "
                              "model.parameters() and boost it before the first step")
@@ -80,8 +85,6 @@ class FsdpPluginBase(Plugin):
             cast_buffers_(model, DTYPES[self.precision])
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
-        from fp8boost.parallel.fsdp import wiring
-
         mesh = self.topology().submesh("dp")
         # Buffers (FP8 amax histories) stay whole on every rank: reduce them to one history.
         reduce_delayed_amax(model, self.dp_group)
@@ -89,13 +92,11 @@ class FsdpPluginBase(Plugin):
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
         if self._lazy and getattr(self, "param_init_fn", None) is not None:
-            from .colossal_args_fsdp import apply_param_init_fn
             apply_param_init_fn(model, self.param_init_fn)  # FSDP1's meaning (TorchFSDPPlugin)
         elif self._lazy:
             wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device,
                                shard_rank=mesh.get_local_rank())
         if self._lazy:  # from_pretrained in LazyInitContext: each rank reads its shards' slices
-            from .checkpoint_io.pretrained import load_remembered
             load_remembered(model)
         self._fp8_reduce_scatter(model)
         return model
@@ -114,10 +115,6 @@ class FsdpPluginBase(Plugin):
         if not self.fp8_communication:
             report.not_fp8(PARAM_ALL_GATHER, "fp8_communication=False")
             return report
-        from fp8boost.fp8 import is_fp8_layer
-        from fp8boost.parallel.comm.expert_gather import report_expert_gather
-        from fp8boost.parallel.comm.config import Fp8CommConfig
-        from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather
 
         # rowwise/blockwise layers: training dtype, except blockwise weights whose even shards
         # hold whole blocks, gathered with their block scales (granular_comm.py)
@@ -141,7 +138,6 @@ class FsdpPluginBase(Plugin):
         if not self.fp8_communication:
             return
         if self.fp8_reduce_scatter:
-            from fp8boost.parallel.fsdp.fp8_all_gather import set_fp8_reduce_scatter
             set_fp8_reduce_scatter(model, self.comm_config)
             self.comm_report.fp8_grad_reduce = True
             return

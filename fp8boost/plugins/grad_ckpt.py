@@ -28,6 +28,8 @@ from torch import nn
 
 from fp8boost import _state
 
+from .grad_ckpt_config import PipelineGradientCheckpointConfig
+
 logger = logging.getLogger("fp8boost.plugins")
 
 
@@ -38,6 +40,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if isinstance(layers, nn.ModuleList):
         return list(layers)
     try:
+        # lazy: transformers takes seconds to import; only HF models get here
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
         return []
@@ -81,7 +84,6 @@ def plan_checkpointing(model_or_layers, config, layout=None) -> Optional[list[bo
     """
     if config is None:
         return None
-    from .grad_ckpt_config import PipelineGradientCheckpointConfig
 
     layers = model_or_layers if isinstance(model_or_layers, Sequence) \
         else decoder_layers(model_or_layers)

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
 from fp8boost.fp8 import fp8_layers
 from fp8boost.fp8.config import GRANULAR_RECIPES
 
+from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.report import PARAM_ALL_GATHER, CommReport
+from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
 
 __all__ = ["GRANULAR_GATHER_WHY", "is_granular", "block_gathered", "ranks_of",
            "split_fp8_gather_layers", "report_granular_gather"]
@@ -47,15 +50,12 @@ def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int],
     block-scaled FP8 (None: no sharded FP8 gather, never). ``comm_config``: the plugin's
     ``Fp8CommConfig`` (None: the default); its wire format must be the layer's (e4m3), or the
     gather would fall back to one scale per weight and round the weight twice."""
-    from fp8boost.parallel.comm.config import Fp8CommConfig
-    from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
     wire = (comm_config or Fp8CommConfig()).param_dtype
     return shard_ranks is not None and block_gather_unfit(module, shard_ranks, wire) is None
 
 
 def ranks_of(group) -> int:
     """The size of a process group (1 for None or without a process group)."""
-    import torch.distributed as dist
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 

@@ -19,16 +19,23 @@ import os
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
 from fp8boost.fp8 import fp8_layers
+from fp8boost.fp8.moe.detect import router_aux_loss_on
+from fp8boost.parallel.comm.expert_gather import report_expert_gather
+from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
+from fp8boost.parallel.tp import TpPlan, apply_tp, check_plan, resolve_plan
+from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.zero import ZeroOptimizer
 
+from .checkpoint_io.hybrid import HybridCheckpointIO
 from .hybrid_sp import (SP_MODES, apply_ulysses_to, check_sp_args, replica_groups,  # noqa: F401
                         validate_ulysses, zero_group)
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
-                              pipeline_layout, stage_plan, strip_model)
+                              checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
@@ -50,7 +57,6 @@ def check_custom_policy(custom_policy: object) -> None:
         TypeError: anything else.
     """
     if custom_policy is not None and not callable(custom_policy):
-        from fp8boost.parallel.tp import TpPlan
         if not isinstance(custom_policy, TpPlan):
             raise TypeError("custom_policy must be a fp8boost.parallel.tp.TpPlan or a function "
                             f"model -> TpPlan, got {type(custom_policy).__name__}")
@@ -240,9 +246,6 @@ class HybridParallelPlugin(Plugin):
         if self.pp_size == 1:
             return None
         if self._stage_manager is None:
-            import torch.distributed as dist
-
-            from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
             dims = self.dims
             self._stage_manager = PipelineStageManager(
                 dims, dist.get_rank(), self.pipeline.num_model_chunks, self.pipeline.pp_style)
@@ -264,9 +267,6 @@ class HybridParallelPlugin(Plugin):
     # configure's steps (Plugin.configure). Order, as in torchtitan: pipeline split -> move /
     # cast -> FP8 conversion -> broadcast -> tensor-parallel split -> ZeRO over dp.
     def validate(self, model: nn.Module, optimizer) -> None:
-        from fp8boost.parallel.tp import check_plan, resolve_plan
-        from fp8boost.parallel.tp.input_guard import debug_every_step
-
         if optimizer is not None:
             ZeroOptimizer.validate(optimizer)
         self._debug_inputs = debug_every_step()  # a bad value raises before any collective
@@ -287,8 +287,6 @@ class HybridParallelPlugin(Plugin):
         that shard, and the replicated router's gradients are *summed* over tp (as for norms):
         the aux term would weigh tp_size times what the model defines.
         """
-        from fp8boost.fp8.moe.detect import router_aux_loss_on
-
         if self.sequence_parallelism_mode == "split_gather" and router_aux_loss_on(model):
             raise ValueError(
                 f"{type(model).__name__} adds its router load-balancing loss "
@@ -307,8 +305,6 @@ class HybridParallelPlugin(Plugin):
         super().build_model(model, optimizer, device)
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
-        from fp8boost.parallel.tp import apply_tp
-
         topo = self.topology()
         if self.pp_state is not None:
             broadcast_stage(model, self.pp_state)
@@ -356,7 +352,6 @@ class HybridParallelPlugin(Plugin):
         opt.bind_fp8_layers(model)
         self.comm_report = opt.comm_report
         if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
-            from fp8boost.parallel.comm.expert_gather import report_expert_gather
             report_granular_gather(self.comm_report, "HybridParallelPlugin", model,
                                    opt.dp_world, self.comm_config)
             report_expert_gather(self.comm_report, "HybridParallelPlugin", model)
@@ -383,8 +378,6 @@ class HybridParallelPlugin(Plugin):
         Cheap: one tiny all-gather per group at the first forward; at every forward with
         ``FP8BOOST_DEBUG_TP_INPUTS=1`` (``fp8boost/parallel/tp/input_guard.py``).
         """
-        from fp8boost.parallel.tp.input_guard import ReplicaInputGuard
-
         groups = replica_groups(self, topo)  # tp, pp and Ulysses sp ranks read one batch
         return ReplicaInputGuard(groups, device, every_step) if groups else None
 
@@ -428,8 +421,6 @@ class HybridParallelPlugin(Plugin):
             >>> out = booster.execute_pipeline(it, model, optimizer=optimizer) # doctest: +SKIP
             >>> optimizer.step(); optimizer.zero_grad()                        # doctest: +SKIP
         """
-        from .hybrid_pipeline import checked_execute_pipeline
-
         return checked_execute_pipeline(self, data_iter, model, criterion, optimizer,
                                         return_loss, return_outputs)
 
@@ -442,7 +433,6 @@ class HybridParallelPlugin(Plugin):
 
     def get_checkpoint_io(self):
         """``HybridCheckpointIO``: HF exports gathered over tp, re-shardable DCP state."""
-        from .checkpoint_io.hybrid import HybridCheckpointIO
         return HybridCheckpointIO(self)
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRunner,
                                         build_stage_modules, check_pipeline_model,
                                         check_pipeline_options, make_layout, strip_to_rank,
@@ -194,8 +195,6 @@ def build_runner(model: nn.Module, state: PipelineState, opts: PipelineOptions, 
                  act_dtype: torch.dtype, tp_size: int, sequence_parallel: bool,
                  fp8_communication: bool, comm_config) -> PipelineRunner:
     """Step 5."""
-    from fp8boost.parallel.comm.config import Fp8CommConfig
-
     lay = state.layout
     same = {s: lay.rank_of(s) == lay.rank_of(s + 1) for s in range(lay.num_stages - 1)}
     state.boundaries = BoundaryPlan(enabled=fp8_communication,

@@ -25,7 +25,10 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import torch.distributed as dist
+
 from fp8boost import _state
+from fp8boost.parallel.sp import apply_ulysses, check_ulysses
 
 logger = logging.getLogger("fp8boost.plugins")
 
@@ -86,10 +89,6 @@ def check_sp_args(enabled: bool, mode: Optional[str], sp_size: Optional[int], tp
 
 def validate_ulysses(plugin, model) -> None:
     """Before any collective: the model's heads split over tp x sp, sp divides the world."""
-    import torch.distributed as dist
-
-    from fp8boost.parallel.sp import check_ulysses
-
     if plugin.sp_size == 1:
         return
     check_ulysses(model, plugin.sp_size, plugin.tp_size)
@@ -104,7 +103,6 @@ def apply_ulysses_to(plugin, model, topo) -> None:
     """Route ``model``'s attention through the sp all-to-alls (after the tp split)."""
     if plugin.sp_size == 1:
         return
-    from fp8boost.parallel.sp import apply_ulysses
 
     apply_ulysses(model, topo.group("sp"), plugin.fp8_communication, plugin.comm_config)
 

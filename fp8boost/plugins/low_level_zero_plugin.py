@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from fp8boost.fp8 import fp8_layers
+from fp8boost.fp8.backends import warn_once
+from fp8boost.parallel.comm.expert_gather import report_expert_gather
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .colossal_args import loss_scale_args, low_level_zero_args, make_scaler
@@ -133,7 +135,6 @@ class LowLevelZeroPlugin(Plugin):
             fp8_reduce_scatter=self.fp8_reduce_scatter)
         self.comm_report = opt.comm_report
         if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
-            from fp8boost.parallel.comm.expert_gather import report_expert_gather
             report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model,
                                    opt.dp_world, self.comm_config)
             report_expert_gather(self.comm_report, "LowLevelZeroPlugin", model)
@@ -145,7 +146,6 @@ class LowLevelZeroPlugin(Plugin):
             return None
         if self.fp8_param_gather == "none":
             return []
-        from fp8boost.fp8.backends import warn_once
         # rowwise/blockwise layers' weights stay in the training dtype, except blockwise ones
         # whose chunks hold whole blocks: FP8 with their block scales (granular_comm.py)
         ranks = ranks_of(self.topology().group("dp"))

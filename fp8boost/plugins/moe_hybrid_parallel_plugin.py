@@ -36,6 +36,9 @@ from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert
                                   counted_elsewhere, expert_params, full_expert_weights,
                                   reduce_moe_gradients, register_ep_hooks, shard_experts)
 from fp8boost.parallel.mesh import ParallelDims
+from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
+from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
+from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .checkpoint_io.moe import MoeCheckpointIO
@@ -199,9 +202,6 @@ class MoeHybridParallelPlugin(Plugin):
 
     # ------------------------------------------------------------------ boost
     def validate(self, model: nn.Module, optimizer) -> None:
-        from fp8boost.parallel.tp import check_plan, resolve_plan
-        from fp8boost.parallel.tp.input_guard import debug_every_step
-
         super().validate(model, optimizer)
         world, ep, tp, pp = _world_hint(), self.ep_size, self.tp_size, self.pp_size
         if world % (pp * ep * tp):
@@ -231,9 +231,6 @@ class MoeHybridParallelPlugin(Plugin):
         super().build_model(model, optimizer, device)
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
-        from fp8boost.parallel.tp import apply_tp
-        from fp8boost.parallel.tp.input_guard import ReplicaInputGuard
-
         topo = self.topology(device)
         if self.pp_state is not None:  # each stage from its lowest rank (and the tied weight)
             broadcast_stage(model, self.pp_state)
@@ -321,7 +318,6 @@ class MoeHybridParallelPlugin(Plugin):
         if self.pp_size == 1:
             return None
         if self._stage_manager is None:
-            from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
             self._stage_manager = PipelineStageManager(
                 self.dims, dist.get_rank(), self.pipeline.num_model_chunks,
                 self.pipeline.pp_style)

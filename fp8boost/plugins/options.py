@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.loss.causal_lm import FusedLmLossConfig, resolve_fused_lm_loss
+from fp8boost.parallel.comm.config import Fp8CommConfig
 
 from .wrappers import PRECISIONS
 
@@ -59,7 +60,6 @@ def check_fp8_config(fp8_config: object) -> Optional[Fp8Config]:
 def check_comm_config(comm_config: object):
     if comm_config is None:
         return None
-    from fp8boost.parallel.comm.config import Fp8CommConfig
     if not isinstance(comm_config, Fp8CommConfig):
         raise TypeError("comm_config must be an fp8boost.parallel.comm.config.Fp8CommConfig, "
                         f"got {type(comm_config).__name__}")

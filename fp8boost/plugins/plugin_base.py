@@ -28,9 +28,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, \
     RandomSampler, SequentialSampler
 
+from fp8boost import _state
+from fp8boost.loss import install_fused_lm_loss
 from fp8boost.parallel.comm.report import CommReport
+from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
+from .checkpoint_io import GeneralCheckpointIO
+from .checkpoint_io.pretrained import load_remembered
 from .distributed import default_device, init_distributed
 from .options import OPTION_NAMES, PluginOptions
 from .precision import convert_model, move_and_cast, validate_optimizer, wrap_optimizer
@@ -68,8 +73,6 @@ def check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler) -> N
 def check_meta(model: nn.Module) -> None:
     """Raise (before any collective) if ``model`` is partly on the meta device in a way that
     cannot be materialized (see ``wiring.check_meta_model``); nothing for a real model."""
-    from fp8boost.parallel.fsdp import wiring
-
     if wiring.on_meta(model):
         wiring.check_meta_model(model)
 
@@ -86,9 +89,6 @@ def materialize_replica(model: nn.Module, optimizer, device: torch.device) -> No
     by ``from_pretrained`` inside ``LazyInitContext`` then reads its checkpoint
     (``checkpoint_io.pretrained.load_remembered``). Nothing happens for a real model.
     """
-    from fp8boost.parallel.fsdp import wiring
-    from .checkpoint_io.pretrained import load_remembered
-
     if not wiring.on_meta(model):
         return
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -154,7 +154,6 @@ def shard_dataloader(dataloader: Optional[DataLoader], world: int, rank: int,
         raise TypeError("cannot shard a DataLoader built with a custom batch_sampler: pass a "
                         "DataLoader with batch_size=..., or shard it yourself")
     if not _plain_sampler(dataloader):
-        from fp8boost import _state
         _state.warn_once(("shard-dataloader-replaces", type(dataloader.sampler).__name__),
                          f"fp8boost: the dataloader's {type(dataloader.sampler).__name__} is "
                          f"replaced by a DistributedSampler over {world} data-parallel replicas "
@@ -292,8 +291,6 @@ class Plugin(ABC):
         split (a vocabulary-parallel ``lm_head`` is fused with its tp loss). Returns why not,
         or None when fused. Pipeline stages keep HF's path: the last stage's loss is computed
         from its logits by ``parallel/pipeline``."""
-        from fp8boost.loss import install_fused_lm_loss
-
         blocked = "pipeline stages compute the loss from the last stage's logits" \
             if self.pp_size > 1 else None
         return install_fused_lm_loss(model, self.fused_lm_loss, blocked_by=blocked)
@@ -428,7 +425,6 @@ class Plugin(ABC):
     # --------------------------------------------------------------------- checkpoint IO
     def get_checkpoint_io(self):
         """The object that saves and loads this plugin's models and optimizers."""
-        from .checkpoint_io import GeneralCheckpointIO
         return GeneralCheckpointIO(self)
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:

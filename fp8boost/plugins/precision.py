@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from fp8boost import _state
+from fp8boost.fp8 import convert_to_fp8
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.parallel.zero import DynamicLossScaler, ZeroOptimizer
 
@@ -34,7 +36,6 @@ def convert_model(model: nn.Module, use_fp8: bool, fp8_config: Optional[Fp8Confi
     converted, saying why); its ``ConversionReport``, or None without ``use_fp8``."""
     if not use_fp8:
         return None
-    from fp8boost.fp8 import convert_to_fp8  # the FP8 layer is imported only when used
     return convert_to_fp8(model, fp8_config)
 
 
@@ -69,7 +70,6 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: str, m
         return None
     if precision == "fp32":
         if fused_master_step:  # asked for explicitly: say why it cannot run
-            from fp8boost import _state
             _state.warn_once("fused-master-step-fp32",
                              "fp8boost: fused_master_step=True does not apply (precision fp32 "
                              "keeps no master weights); using the plain optimizer step")

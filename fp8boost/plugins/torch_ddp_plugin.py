@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
+from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
 
 from .colossal_args import ddp_args
 from .options import check_bool, check_precision, takes_plugin_options
@@ -95,7 +96,6 @@ class TorchDDPPlugin(Plugin):
         self.comm_report = CommReport(fp8_grad_reduce=self.fp8_communication)
         self.comm_report.not_fp8(PARAM_ALL_GATHER, "DDP replicates parameters: nothing to gather")
         if self.fp8_communication:
-            from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
             register_fp8_comm_hook(ddp, config=self.comm_config)  # averages over DDP's own group
         else:
             self.comm_report.not_fp8(GRAD_REDUCE, "fp8_communication=False")

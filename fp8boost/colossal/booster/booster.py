@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import logging
 
-from fp8boost import booster as _booster
+from fp8boost import _state, booster as _booster
+from fp8boost.colossal.checkpoint_io import checkpoint_io_for
 from fp8boost.colossal.positional import with_colossal_order
 from fp8boost.plugins import Plugin
+
+from .amp import FP16TorchMixedPrecision
 
 __all__ = ["Booster", "Plugin"]
 
@@ -43,7 +46,6 @@ class Booster(_Ordered):
         checkpoint, shard, ...)``, ``_sync_d2h()``, ``_sync_io()``, ...): a
         ``HybridParallelCheckpointIO`` / ``MoECheckpointIO`` for the hybrid / MoE plugins, else
         a ``GeneralCheckpointIO`` (:func:`fp8boost.colossal.checkpoint_io.checkpoint_io_for`)."""
-        from fp8boost.colossal.checkpoint_io import checkpoint_io_for
         return checkpoint_io_for(self.plugin)
 
 
@@ -53,10 +55,6 @@ Booster.__module__ = __name__
 def _native_amp(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An ``FP16TorchMixedPrecision`` (Colossal-AI's position 1 or the keyword) becomes
     fp8boost's ``"fp16"``, said once at INFO (see :mod:`.amp`)."""
-    from fp8boost import _state
-
-    from .amp import FP16TorchMixedPrecision
-
     args = list(args)
     where = 1 if len(args) > 1 and isinstance(args[1], FP16TorchMixedPrecision) else None
     amp = args[where] if where is not None else kwargs.get("mixed_precision")

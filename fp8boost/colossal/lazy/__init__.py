@@ -167,6 +167,7 @@ class LazyInitContext:
             >>> LazyInitContext.materialize(model).weight.device.type
             'cpu'
         """
+        # lazy: fp8boost.plugins loads every plugin (Triton, torch.compile); this stays light
         from fp8boost.plugins.plugin_base import check_meta, materialize_replica
 
         if not isinstance(module, nn.Module):
@@ -185,6 +186,7 @@ def _patch_from_pretrained():
     """Replace ``PreTrainedModel.from_pretrained`` by :func:`_lazy_from_pretrained`; returns
     the function that puts the original back (a no-op without transformers)."""
     try:
+        # lazy: transformers takes seconds to import; a no-op without it
         from transformers import PreTrainedModel
     except ImportError:
         return lambda: None
@@ -206,6 +208,7 @@ def _lazy_from_pretrained(original, cls, path, *args, **kwargs):
     """``from_pretrained`` on the meta device: transformers builds the model as it would
     (``device_map="meta"`` reads no weight), and the checkpoint folder is noted on it for
     :func:`fp8boost.plugins.checkpoint_io.pretrained.load_remembered`."""
+    # lazy: fp8boost.plugins loads every plugin (Triton, torch.compile); this module stays light
     from fp8boost.plugins.checkpoint_io.pretrained import remember
 
     refused = [k for k in REFUSED_PRETRAINED_ARGS if kwargs.get(k) is not None]
@@ -226,6 +229,7 @@ def _lazy_from_pretrained(original, cls, path, *args, **kwargs):
     if os.path.isdir(local):
         folder = local
     else:  # a Hub id: from_pretrained has fetched it into the cache
+        # lazy: transformers takes seconds to import; only HF models get here
         from transformers.utils import cached_file
 
         config_file = cached_file(os.fspath(path), "config.json", subfolder=subfolder,

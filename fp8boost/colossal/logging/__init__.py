@@ -26,7 +26,7 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 def _rank() -> int:
     # The process group's rank when there is one; torchrun's RANK before it is formed.
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: importing this module imports no torch
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()

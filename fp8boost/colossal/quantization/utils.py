@@ -22,6 +22,7 @@ __all__ = ["patch_fsdp_params_comm_hook"]
 
 def _fsdp_classes() -> tuple[type, type]:
     try:
+        # lazy: FSDP1 internals, whose home depends on the torch version
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp._flat_param import FlatParamHandle
     except ImportError as exc:  # torch < 2.1 kept FSDP's internals elsewhere

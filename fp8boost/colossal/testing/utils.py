@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.multiprocessing as mp
 
+from fp8boost.colossal.accelerator import get_accelerator
+
 __all__ = ["DummyDataloader", "clear_cache_before_run", "free_port", "parameterize",
            "rerun_if_address_is_in_use", "rerun_on_exception", "skip_if_not_enough_gpus",
            "spawn"]
@@ -116,8 +118,6 @@ def skip_if_not_enough_gpus(min_gpus: int) -> Callable:
     def wrap(func: Callable) -> Callable:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
-            from fp8boost.colossal.accelerator import get_accelerator
-
             if get_accelerator().device_count() >= min_gpus:
                 return func(*args, **kwargs)
             return None
@@ -171,8 +171,6 @@ def clear_cache_before_run() -> Callable:
     def wrap(func: Callable) -> Callable:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> None:
-            from fp8boost.colossal.accelerator import get_accelerator
-
             acc = get_accelerator()
             acc.empty_cache()
             acc.reset_peak_memory_stats()

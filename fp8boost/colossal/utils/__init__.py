@@ -11,6 +11,8 @@ import random
 
 import torch
 
+from fp8boost.colossal.accelerator import get_accelerator
+
 __all__ = ["get_current_device", "set_seed"]
 
 
@@ -21,8 +23,6 @@ def get_current_device() -> torch.device:
         >>> get_current_device().type in ("cuda", "cpu")
         True
     """
-    from fp8boost.colossal.accelerator import get_accelerator
-
     return get_accelerator().get_current_device()
 
 
@@ -34,6 +34,7 @@ def set_seed(seed: int) -> None:
     """
     random.seed(seed)
     try:
+        # lazy: NumPy is seeded only where it is installed
         import numpy as np
     except ImportError:  # NumPy is optional for fp8boost
         pass

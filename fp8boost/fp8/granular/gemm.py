@@ -21,9 +21,11 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from fp8boost._state import log_once, probe, warn_once
 
+from .ops import blockwise_scaled_mm_op
 from ..scaling import cast_result  # noqa: F401 - re-exported (granular.function)
 from .quantize import GranularFp8
 
@@ -113,8 +115,6 @@ def blockwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Ten
     """The cuBLAS blockwise GEMM (``torch.nn.functional.scaled_mm`` inside the custom op
     ``fp8boost::blockwise_scaled_mm``, which ``torch.compile`` keeps as one node), dims
     zero-padded to multiples of 128; BF16 out."""
-    from .ops import blockwise_scaled_mm_op
-
     m, k = a.data.shape
     n = b.data.shape[0]
     # Zero padding: padded elements contribute 0 whatever their (unit) scale.
@@ -130,8 +130,6 @@ def blockwise_scaled_mm(a: GranularFp8, b: GranularFp8, bias: Optional[torch.Ten
 
 def _try_blockwise(device: torch.device) -> Optional[str]:
     """None if cuBLAS blockwise runs on ``device``, else why not (a tiny call, once)."""
-    import torch.nn.functional as F
-
     if not hasattr(F, "scaled_mm") or "BlockWise128x128" not in getattr(
             getattr(F, "ScalingType", None), "__members__", {}):
         return f"torch {torch.__version__} has no nn.functional.scaled_mm with blockwise scaling"

@@ -23,6 +23,7 @@ def blockwise_scaled_mm_call(a: Tensor, b: Tensor, sa_km: Tensor, sb: Tensor,
                              b_blocks: bool) -> Tensor:
     """The ``F.scaled_mm`` call itself (what the op runs; on meta tensors torch's meta
     registration checks every shape and stride of it, which is how CPU tests verify it)."""
+    # lazy: only newer torch has F.scaled_mm's blockwise scaling (callers check first)
     from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
 
     kind_b = ScalingType.BlockWise128x128 if b_blocks else ScalingType.BlockWise1x128

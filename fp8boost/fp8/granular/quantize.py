@@ -157,6 +157,7 @@ def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, *, block: int = 
 
 def _import_kernels():
     try:
+        # lazy: the kernels import triton, which is optional
         from ..kernels import granular_cast
     except Exception as e:  # noqa: BLE001 (no/broken Triton: any import error means "no")
         _state.log_once(_LOG, "granular-cast-import", f"granular FP8 casts: Triton kernels "

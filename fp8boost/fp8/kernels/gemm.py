@@ -19,12 +19,15 @@ rounding to the output dtype.
 """
 from __future__ import annotations
 
+import logging
 from types import MappingProxyType
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from fp8boost import _state
 
 from .tuning import ConfigCache, bucket, interpreting, num_sms
 
@@ -275,10 +278,6 @@ def mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tenso
 
 
 def _log_cublas_promoted() -> None:
-    import logging
-
-    from fp8boost import _state
-
     _state.log_once(
         logging.getLogger("fp8boost.fp8.kernels"), "gemm-promoted-on-cublas",
         "fp8boost: promoted-accumulation FP8 GEMMs (dgrad, wgrad) run on cuBLAS "

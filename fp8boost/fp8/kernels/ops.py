@@ -50,6 +50,7 @@ def quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: int
 
 @quantize.register_kernel("cuda")
 def _quantize_cuda(x, dtype, scale, margin, power_of_2, with_transpose):
+    # lazy: cast imports triton, optional (CPU installs lack it); only the CUDA kernel needs it
     from . import cast
 
     r = cast.quantize(x, dtype, scale, margin, power_of_2, with_transpose)
@@ -80,6 +81,7 @@ def scaled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
 @scaled_mm.register_kernel("cuda")
 def _scaled_mm_cuda(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, use_fast_accum,
                     allow_cublas=False):
+    # lazy: gemm imports triton, optional (CPU installs lack it); only the CUDA kernel needs it
     from . import gemm
 
     return gemm.mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, use_fast_accum,

@@ -18,6 +18,7 @@ from torch import nn
 
 from .detect import ExpertSpec, find_expert_spec
 from .experts import Fp8Experts
+from ..min_numel import min_numel_limit
 
 
 def experts_skip_reason(spec: ExpertSpec, config) -> Optional[str]:
@@ -29,8 +30,6 @@ def experts_skip_reason(spec: ExpertSpec, config) -> Optional[str]:
         >>> experts_skip_reason(spec, Fp8Config(backend="emulated"))
         'expert width 40 or hidden size 64 not divisible by 16 (FP8 tensor-core alignment)'
     """
-    from ..min_numel import min_numel_limit  # the one place that resolves min_numel
-
     h, i = spec.hidden, spec.intermediate
     if h % 16 or i % 16:
         return (f"expert width {i} or hidden size {h} not divisible by 16 (FP8 tensor-core "

@@ -45,6 +45,7 @@ import torch
 from fp8boost import _state
 
 from ..config import Fp8Config
+from .routing import route
 
 BACKENDS = ("emulated", "scaled_grouped_mm")
 
@@ -201,6 +202,7 @@ def _scaled_wgrad_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
 def _import_triton_gemms():
     """``(grouped_mm, grouped_wgrad)`` kernel modules, or None (logged once) without Triton."""
     try:  # optional dependency: without (a working) Triton, torch's kernels run alone
+        # lazy: the kernels import triton, which is optional
         from ..kernels import grouped_mm, grouped_wgrad
     except Exception as e:  # noqa: BLE001
         _state.log_once(logging.getLogger("fp8boost.fp8.moe"), "moe-gemm-import",
@@ -221,8 +223,6 @@ def probe_problem(device: torch.device) -> Optional[str]:
     Runs both forms on a small problem (uneven groups, an empty one, distinct scales) and
     compares them with the emulated result.
     """
-    from .routing import route
-
     if not hasattr(torch, "_scaled_grouped_mm"):
         return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
     try:

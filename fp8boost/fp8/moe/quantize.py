@@ -64,6 +64,7 @@ class ScaleOptions:
 
 def _import_kernels():
     try:
+        # lazy: the kernels import triton, which is optional
         from ..kernels import moe_cast_ops
     except Exception as e:  # noqa: BLE001 (no/broken Triton: any import error means "no")
         _state.log_once(_LOG, "moe-cast-import", f"FP8 expert casts: Triton kernels unavailable "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from fp8boost import _state
 
 from .config import Fp8CommConfig
+from .wire import dequantize_rows, dequantize_sum_rows, quantize_rows, segment_bytes
 
 logger = logging.getLogger("fp8boost.parallel.fp8_comm")
 
@@ -167,7 +168,6 @@ def triton_selftest(device: torch.device) -> tuple[bool, str]:
     and decodes must be bit-identical; the FP32 sums may differ by FMA contraction only.
     """
     from . import wire_triton as fp8_wire_triton  # noqa: F401,WPS433 (lazy: imports triton)
-    from .wire import dequantize_rows, dequantize_sum_rows, quantize_rows, segment_bytes
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 100, generator=g) * torch.tensor([[1e-3], [1.0], [300.0]])

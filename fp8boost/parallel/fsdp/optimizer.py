@@ -18,6 +18,8 @@ from torch import nn
 from fp8boost.parallel.boosted_optimizer import DirectOptimizerProxy
 from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
 
+from .fp8_all_gather import precompute_fp8_all_gather_scales
+
 __all__ = ["FsdpOptimizer"]
 
 
@@ -136,7 +138,6 @@ class FsdpOptimizer(DirectOptimizerProxy):
             self.loss_scaler.update(not ok)
         self._unscaled = False
         if self.fp8_scales:
-            from .fp8_all_gather import precompute_fp8_all_gather_scales
             precompute_fp8_all_gather_scales(self.model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

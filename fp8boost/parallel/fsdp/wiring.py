@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.fp8 import fp8_layers
 from fp8boost.hf_model import find_blocks
 
 logger = logging.getLogger("fp8boost.parallel.fsdp")
@@ -35,6 +36,7 @@ _META_HELP = ("build the model under accelerate's init_empty_weights() (it keeps
 def fully_shard_fn():
     """``fully_shard`` and ``MixedPrecisionPolicy``/``CPUOffloadPolicy`` of the installed torch."""
     try:
+        # lazy: FSDP2's home depends on the torch version (fallback below)
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6 kept FSDP2 under _composable
         from torch.distributed._composable.fsdp import (CPUOffloadPolicy,  # type: ignore
@@ -63,7 +65,6 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: Optional[torch.dtype],
                         "whole model is one fully_shard unit: every parameter is all-gathered at "
                         "once (no per-block overlap, peak memory = the full model in "
                         "param_dtype)")
-    from fp8boost.fp8 import fp8_layers
     for layer in fp8_layers(model):
         # A frozen weight's (LoRA base) cached FP8 cast would keep the whole unsharded weight
         # between steps: exactly the memory resharding after forward frees.

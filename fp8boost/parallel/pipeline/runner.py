@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
 
 from .layout import PipelineLayout
 from .split import DecoderStage
@@ -110,8 +112,6 @@ class PipelineRunner:
                            requires_grad=dtype.is_floating_point)
 
     def _stage(self, m: DecoderStage, mb: int, seq: int):
-        from torch.distributed.pipelining import PipelineStage
-
         b = m.boundaries
         if m.index == 0:
             inp = self._meta((mb, seq), torch.long)
@@ -128,9 +128,6 @@ class PipelineRunner:
         """The schedule for ``n`` micro-batches of ``[mb, seq]`` tokens (built once per shape)."""
         key = (n, mb, seq)
         if key not in self._schedules:
-            from torch.distributed.pipelining import (Schedule1F1B, ScheduleInterleaved1F1B,
-                                                      ScheduleZBVZeroBubble)
-
             stages = [self._stage(m, mb, seq) for m in self.modules]
             kw = dict(loss_fn=self._loss_fn, scale_grads=False)
             if self.layout.style == "1f1b":

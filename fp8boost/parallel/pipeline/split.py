@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from fp8boost.fp8.moe.detect import router_aux_loss_on
+
 from .boundary import BoundaryPlan
 from .layout import PipelineLayout
 
@@ -66,8 +68,6 @@ def _check_router_aux_loss(model: nn.Module) -> None:
     (``outputs.router_logits``), a product of means that does not split into per-stage terms;
     the last stage only sees the hidden states, so it would silently train without the term.
     """
-    from fp8boost.fp8.moe.detect import router_aux_loss_on
-
     if router_aux_loss_on(model):
         raise ValueError(
             f"{type(model).__name__} adds its router load-balancing loss "
@@ -180,6 +180,7 @@ class DecoderStage(nn.Module):
         return self.boundaries.encode(h, self.index)
 
     def _masks(self, h, batch, seq, attention_mask, position_ids) -> dict:
+        # lazy: transformers takes seconds to import; only HF models get here
         from transformers.masking_utils import (create_causal_mask,
                                                 create_sliding_window_causal_mask)
         # The mask helpers read only batch, query length, dtype and device from inputs_embeds;
@@ -208,6 +209,7 @@ def _output_class(model: nn.Module) -> type:
     """The ``ModelOutput`` class ``model.forward`` is annotated to return, if it has ``loss``
     and ``logits`` fields; else ``CausalLMOutputWithPast``, which is what every HF decoder LM
     that :func:`check_pipeline_model` accepts (Llama, Mistral, Qwen2 ...) returns."""
+    # lazy: transformers takes seconds to import; only HF models get here
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import ModelOutput
 

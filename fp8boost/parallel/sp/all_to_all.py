@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fp8boost.parallel.fp8_comm import all_to_all_fp8
+
 __all__ = ["seq_to_heads", "heads_to_seq"]
 
 
@@ -26,7 +28,6 @@ def _exchange(send: torch.Tensor, group, fp8: bool, config) -> torch.Tensor:
     """All-to-all along dim 0 (one equal chunk per rank), in FP8 bytes when ``fp8``."""
     out = torch.empty_like(send)
     if fp8:
-        from fp8boost.parallel.fp8_comm import all_to_all_fp8
         all_to_all_fp8(out, send, group=group, config=config)
     else:
         dist.all_to_all_single(out, send, group=group)

@@ -43,6 +43,7 @@ class UlyssesAttention:
     comm_config: Optional[object] = None
 
     def inner_fn(self, module: nn.Module) -> Callable:
+        # lazy: transformers takes seconds to import; only HF models get here
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         if self.inner == "eager":  # each modeling file has its own eager function
@@ -87,6 +88,7 @@ def attach(model: nn.Module, group, fp8: bool, comm_config) -> int:
 
     Registers :data:`ATTN_NAME` with transformers (idempotent) and sets it as the
     implementation of every config the attention modules read."""
+    # lazy: transformers takes seconds to import; only HF models get here
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, ulysses_attention_forward)

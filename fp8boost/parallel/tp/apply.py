@@ -25,7 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.fp8 import is_fp8_layer
+from fp8boost.fp8.config import GRANULAR_RECIPES
+from fp8boost.fp8.scaling import E4M3
 
+from .fp8_gather import gather_seq_fp8
 from .functional import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq
 from .lora_plan import peft_base
 from .loss import HfVocabParallelLoss
@@ -91,8 +95,6 @@ def _map_output(out, fn):
 
 def _region_hooks(module: nn.Module, group, sp: bool, fp8_layer=None) -> None:
     if fp8_layer is not None:
-        from .fp8_gather import gather_seq_fp8
-
         def enter(x):
             return gather_seq_fp8(x, group, fp8_layer)
     else:
@@ -152,8 +154,6 @@ def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
     """Tensorwise FP8 layers scale split operands from an amax over ``group``; rowwise layers
     reduce the per-row amaxes of the operands whose rows span the shards, blockwise layers
     nothing (shard-local tiles and blocks): ``fp8/linear_granular.py``."""
-    from fp8boost.fp8 import is_fp8_layer
-
     if not is_fp8_layer(module):
         return False
     module.set_amax_groups({role: group for role in roles})
@@ -221,10 +221,6 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
 
 def _fp8_gather_consumer(region: str, plan: TpPlan, modules: dict):
     """(the Fp8Linear whose recipe casts the region's gathered input, None) or (None, why)."""
-    from fp8boost.fp8 import is_fp8_layer
-    from fp8boost.fp8.config import GRANULAR_RECIPES
-    from fp8boost.fp8.scaling import E4M3
-
     consumers = [modules[n] for n in plan.colwise if n.startswith(region + ".")]
     if not consumers or not all(is_fp8_layer(m) for m in consumers):
         return None, f"{region}'s column-parallel linears are not all Fp8Linear"

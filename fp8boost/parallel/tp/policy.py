@@ -23,6 +23,10 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
+from fp8boost.fp8.moe.detect import find_expert_spec
+
+from .lora_plan import lora_decoder_plan, peft_base
+
 __all__ = ["TpPlan", "hf_decoder_plan", "resolve_plan", "check_plan"]
 
 ATTN_COLWISE = ("q_proj", "k_proj", "v_proj")
@@ -103,8 +107,6 @@ def hf_decoder_plan(model: nn.Module) -> TpPlan:
     Raises:
         ValueError: the model does not have that structure (pass ``custom_policy``).
     """
-    from .lora_plan import lora_decoder_plan, peft_base
-
     if peft_base(model) is not None:
         return lora_decoder_plan(model, _plain_decoder_plan)
     return _plain_decoder_plan(model)
@@ -160,8 +162,6 @@ def is_moe_block(module: Optional[nn.Module]) -> bool:
         >>> is_moe_block(nn.Linear(2, 2)), is_moe_block(None)
         (False, False)
     """
-    from fp8boost.fp8.moe.detect import find_expert_spec
-
     if module is None:
         return False
     # find_expert_spec: an ExpertSpec, or a reason for expert variants FP8 does not run; both

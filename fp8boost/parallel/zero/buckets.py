@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .direct_blocks import cast_block_chunk, receive_block
 from .sharding import ParamShard, padded_rows
 
 
@@ -270,7 +271,6 @@ def _launch_gather(items: list[int], ctx: _GatherCtx):
     kind = ctx.kinds[items[0]]
     total = sum(_width(i, ctx) for i in items)
     if kind == "block":  # FP8 bytes + block scales, cast per chunk: plain uint8 on the wire
-        from .direct_blocks import cast_block_chunk
         inp = torch.empty(total, dtype=torch.uint8, device=p0.device)
         off = 0
         for i in items:
@@ -308,7 +308,6 @@ def _finish_gather(entry, ctx: _GatherCtx) -> None:
     for i in items:
         s = ctx.shards[i]
         if ctx.kinds[i] == "block":
-            from .direct_blocks import receive_block
             w = ctx.direct.block_slot[i]
             receive_block(w, rows[:, off:off + w.wire_numel], ctx.params[i])
             off += w.wire_numel

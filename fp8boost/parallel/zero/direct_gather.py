@@ -16,6 +16,8 @@ from torch import nn
 
 from fp8boost import _state
 
+from .direct_plan import build_direct_plan, weight_owners
+
 if TYPE_CHECKING:  # imported when bound: the plan pulls in fp8.linear and the wire kernels
     from .direct_plan import ZeroDirectPlan
 
@@ -56,7 +58,6 @@ class DirectGather:
 
         Binding again replaces the previous plan and removes its hooks.
         """
-        from .direct_plan import build_direct_plan, weight_owners
         self.remove_hooks()
         self._plan = build_direct_plan(self.params, self.shapes, self.fp8_mask,
                                        weight_owners(model), self.comm_config, self.world)

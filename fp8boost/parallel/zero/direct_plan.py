@@ -49,6 +49,8 @@ from fp8boost.parallel.comm._utils import resolve_cast_impl
 from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.wire import cast_rows_into, decode_rows_into
 
+from .direct_blocks import BlockWeight
+
 logger = logging.getLogger("fp8boost.parallel.zero")
 
 __all__ = ["DirectWeight", "ZeroDirectPlan", "weight_owners", "build_direct_plan"]
@@ -119,7 +121,6 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
         world: the ZeRO ranks (blockwise weights qualify when their chunks hold whole blocks;
             None: none do, the reason logged once).
     """
-    from .direct_blocks import BlockWeight
     cfg = config if config is not None else Fp8CommConfig()
     weights, blocks = [], []
     for i, (p, shape, fp8) in enumerate(zip(params, shapes, fp8_mask)):

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from fp8boost import _state
+from fp8boost.fp8.kernels.tuning import interpreting
 
 _BLOCK = 2048
 # The _state cache of master -> (its state's step tensor, that step as a float): reading a
@@ -52,6 +53,7 @@ def _kernel():
 
 
 def _build_kernel():
+    # lazy: Triton is optional (CPU installs); the kernel is built on first use
     import triton
     import triton.language as tl
 
@@ -76,8 +78,6 @@ def _build_kernel():
 
 
 def _use_kernel(master: torch.Tensor) -> bool:
-    from fp8boost.fp8.kernels.tuning import interpreting
-
     return master.is_cuda or interpreting()
 
 

@@ -31,6 +31,7 @@ from fp8boost import _state
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy
 
 from .full_state import full_state_dict, load_full_state_dict
+from .fused_step import fused_adamw_step, unsupported_reason
 from .loss_scaler import DynamicLossScaler
 from .sharding import ParamShard, make_shard
 
@@ -196,7 +197,6 @@ class MasterWeightOptimizer(OptimizerProxy):
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
         if self._fused:
-            from .fused_step import fused_adamw_step
             fused_adamw_step(self.optim, self.masters, self._grad_shards, self.params,
                              self._grad_mul)
             self.zero_grad()
@@ -248,8 +248,6 @@ class MasterWeightOptimizer(OptimizerProxy):
 
     # ---------------------------------------------------------------------------- internals
     def _fused_step_applies(self, warn: bool) -> bool:
-        from .fused_step import unsupported_reason
-
         why = unsupported_reason(self.optim) or (
             "the state is sharded over ranks" if self.world > 1 else
             "master_weights=False" if not self.master_weights else

@@ -24,7 +24,17 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, get_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+from fp8boost.fp8.linear import weights_loaded
 
 from . import coordination as coord
 from . import hf_sharded as hf
@@ -56,7 +66,6 @@ def _plain(obj):
         local = hf.local_of(obj)
         if local is obj._local_tensor:
             return obj
-        from torch.distributed.tensor import DTensor
         return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                   shape=obj.shape, stride=obj.stride())
     return hf.local_of(obj)
@@ -151,8 +160,6 @@ class DTensorCheckpointIO(CheckpointIO):
                         (OPTIM_MARKER,))
 
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         module, keys = self._optimizer_model(optimizer, None)
         raw = _raw_optimizer(optimizer)
         self._dcp_save({"optim": _plain(get_optimizer_state_dict(module, raw))}, directory)
@@ -164,8 +171,6 @@ class DTensorCheckpointIO(CheckpointIO):
 
     def load_optimizer(self, optimizer, path: str) -> None:
         """Load a ``save_optimizer`` directory written at any world size (DCP reshards)."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         path = os.fspath(path)
         marker = self._optimizer_marker(path)
         verify_checksums(path, self.group)  # every rank raises alike, before DCP reads
@@ -209,8 +214,6 @@ class DTensorCheckpointIO(CheckpointIO):
     # ---------------------------------------------------------------- resumable state
     def _write_state(self, tmp: str, model, optimizer, lr_scheduler) -> None:
         """Model and optimizer as ONE DCP checkpoint ``{"model": ..., "optim": ...}``."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
         module = self.plugin.unwrap_model(model)
         if optimizer is None:
             state = {"model": get_model_state_dict(module)}
@@ -223,10 +226,6 @@ class DTensorCheckpointIO(CheckpointIO):
                 json.dump(_wrapper_state(optimizer), f)
 
     def _read_state(self, path: str, model, optimizer) -> None:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
         module = self.plugin.unwrap_model(model)
         state = {"model": _plain(get_model_state_dict(module))}
         if optimizer is not None:
@@ -251,9 +250,6 @@ class DTensorCheckpointIO(CheckpointIO):
         return {"no_dist": True}
 
     def _dcp_save(self, state: dict, directory: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         try:
             with _quiet_single_process():
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), **self._pg())
@@ -262,9 +258,6 @@ class DTensorCheckpointIO(CheckpointIO):
                                f"{sorted(exc.failures)}: {_first_failure(exc)}") from exc
 
     def _dcp_load(self, state: dict, directory: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         if not os.path.exists(os.path.join(directory, ".metadata")):
             raise FileNotFoundError(f"no DCP checkpoint at {directory} (missing .metadata)")
         try:
@@ -297,15 +290,12 @@ def _first_failure(exc) -> BaseException:
 def _lenient():
     """Options of optimizer loads: parameters whose state the checkpoint legitimately lacks
     (``_match_saved_state`` checked which) stay without state instead of failing."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
     return StateDictOptions(strict=False)
 
 
 def _prepared_optimizer_state(module: nn.Module, raw: torch.optim.Optimizer) -> dict:
     """The optimizer's state dict, with state allocated (sharded like the parameters) so that
     DCP can load into it in place."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     with _no_grads(raw):
         return _plain(get_optimizer_state_dict(module, raw))
 
@@ -327,8 +317,6 @@ def _match_saved_state(state: dict, directory: str) -> None:
     checkpoint was saved (frozen, unused, not stepped yet) stay without state, as in the run
     that saved.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.exists(os.path.join(directory, ".metadata")):
         return  # _dcp_load names the missing file
     saved = FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -368,5 +356,4 @@ def _load_wrapper_state(optimizer, saved: dict) -> None:
 def _after_load(module: nn.Module) -> None:
     # Both loaders write in place, past Fp8Linear._load_from_state_dict: cached FP8 weight casts
     # describe the old weights, and a loaded delayed-scaling history must not be re-seeded.
-    from fp8boost.fp8.linear import weights_loaded
     weights_loaded(module)

@@ -22,6 +22,8 @@ from typing import Iterator, Mapping, Optional
 import safetensors
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .atomic import require
 from .formats import MODEL_INDEX, MODEL_SINGLE
@@ -55,8 +57,6 @@ def gatherable(t: torch.Tensor) -> torch.Tensor:
     Collectives cannot see through weight subclasses, and an offloaded (CPU) shard of a CUDA
     mesh must move to the device before NCCL gathers it. Shares storage when nothing moves.
     """
-    from torch.distributed.tensor import DTensor
-
     local = local_of(t)
     if local is t._local_tensor and local.device.type == t.device_mesh.device_type:
         return t
@@ -68,9 +68,6 @@ def gatherable(t: torch.Tensor) -> torch.Tensor:
 def local_slices(t: torch.Tensor) -> Optional[tuple[slice, ...]]:
     """This rank's shard of DTensor ``t`` as one box of the full tensor, or None when the
     placements do not make a box (strided shards of FSDP x TP, partial sums)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if any(type(p) not in (Shard, Replicate) for p in t.placements):
         return None
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -322,8 +319,6 @@ def _read_local(handle, key: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _cut(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``full`` for DTensor ``t``, cut locally (src_data_rank=None: every
     rank holds ``full``, so nothing is communicated)."""
-    from torch.distributed.tensor import distribute_tensor
-
     full = full.to(t.device_mesh.device_type)
     return distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
 

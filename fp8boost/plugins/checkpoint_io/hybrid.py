@@ -39,12 +39,16 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import atomic, coordination as coord, hf_sharded as hf
 from .base import STATE_MARKER, CheckpointIO
 from .checksums import verify_checksums
 from .formats import MODEL_INDEX, MODEL_SINGLE
+from .hybrid_pp import all_keys, local_param_groups, merge_optimizer_index, write_hf_gathered_pp
 from .hybrid_tp import TpLayout
 from .model_io import dedup_state_dict, storage_key
 from .optimizer_io import check_optimizer, jsonable, restore_types
@@ -91,7 +95,6 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
     each stage's tensors come to rank 0 from their owner (``hybrid_pp.py``).
     """
     if plugin.pp_size > 1:
-        from .hybrid_pp import write_hf_gathered_pp
         return write_hf_gathered_pp(plugin, model, directory, shard, size_mb)
     module = plugin.unwrap_model(model)
     overrides = plugin.exact_weights(model)  # collective over dp: before the per-rank paths
@@ -153,7 +156,6 @@ def read_hf_sliced(plugin, model: nn.Module, directory: str, strict: bool = True
     module = plugin.unwrap_model(model)
     known = None
     if plugin.pp_size > 1:
-        from .hybrid_pp import all_keys
         known = all_keys(plugin, module, dedup=False)
     tp = TpLayout.of(plugin)
     files = hf.checkpoint_files(directory)
@@ -198,7 +200,6 @@ class _Placer:
         dim = self.tp.shard_dims.get(name)
         if dim is None:
             return local
-        from torch.distributed.tensor import DTensor, Replicate, Shard
 
         placements = [Shard(dim) if n == "tp" else Replicate() for n in self.mesh.mesh_dim_names]
         shape = torch.Size(self.tp.full_shape(name, local))
@@ -282,8 +283,6 @@ def _check_against_metadata(state: dict, directory: str, known: Optional[set] = 
 
     ``known``: every rank's ``model/`` keys (pipeline stages hold different ones), or None.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.exists(os.path.join(directory, ".metadata")):
         raise FileNotFoundError(f"no DCP checkpoint at {directory} (missing .metadata): the "
                                 "save did not finish; resume from another checkpoint")
@@ -417,8 +416,6 @@ class HybridCheckpointIO(CheckpointIO):
 
     def _write_state(self, tmp: str, model, optimizer, lr_scheduler,
                      with_model: bool = True) -> None:
-        import torch.distributed.checkpoint as dcp
-
         module = self.plugin.unwrap_model(model)
         placer = _Placer(self.plugin)
         state = _model_state(module, placer) if with_model else {}
@@ -426,7 +423,6 @@ class HybridCheckpointIO(CheckpointIO):
         if optimizer is not None:
             tensors, index["optim"] = _optimizer_state(optimizer, _param_names(module), placer)
             if self.plugin.pp_size > 1:  # rank 0 writes the index: every stage's names
-                from .hybrid_pp import merge_optimizer_index
                 index["optim"] = merge_optimizer_index(self.plugin, index["optim"])
             state.update(tensors)
             index["zero_stage"] = optimizer.stage
@@ -437,8 +433,6 @@ class HybridCheckpointIO(CheckpointIO):
                 json.dump(index, f, indent=1)
 
     def _read_state(self, path: str, model, optimizer, with_model: bool = True) -> None:
-        import torch.distributed.checkpoint as dcp
-
         with open(os.path.join(path, STATE_INDEX)) as f:
             index = json.load(f)
         if optimizer is not None and "optim" not in index:
@@ -451,7 +445,6 @@ class HybridCheckpointIO(CheckpointIO):
             state = {k: v for k, v in state.items() if not k.startswith("model/")}
         known = None
         if self.plugin.pp_size > 1 and with_model:  # stages hold different keys
-            from .hybrid_pp import all_keys
             known = {f"model/{k}" for k in all_keys(self.plugin, module)}
         _check_against_metadata(state, os.path.join(path, STATE_DIR), known)  # before DCP
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(path, STATE_DIR)),
@@ -464,7 +457,6 @@ class HybridCheckpointIO(CheckpointIO):
         if optimizer is not None:
             optim = index["optim"]
             if self.plugin.pp_size > 1:  # each stage loads its own parameters' groups
-                from .hybrid_pp import local_param_groups
                 optim = {**optim, "param_groups": local_param_groups(
                     self.plugin, optim["param_groups"], set(_param_names(module).values()))}
             _load_optimizer_state(optimizer, module, state, optim)

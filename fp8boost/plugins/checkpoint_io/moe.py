@@ -52,6 +52,7 @@ from .base import GeneralCheckpointIO
 from .checksums import verify_checksums
 from .coordination import agreed_read
 from .formats import OPTIM_INDEX, OPTIM_REPLICATED
+from .hybrid import read_hf_sliced, write_hf_gathered
 from .model_io import read_model
 from .optimizer_io import (ShardPieces, check_optimizer, read_index, read_optimizer,
                            restore_types, write_optimizer)
@@ -110,7 +111,6 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         shards and the stages onto rank 0."""
         if self.plugin.tp_size == 1 and self.plugin.pp_size == 1:
             return super()._write_model_into(model, directory, shard, size_mb)
-        from .hybrid import write_hf_gathered
         if coord.rank(self.group) == 0:
             os.makedirs(directory, exist_ok=True)
         with gathered_experts(self._experts(model)):
@@ -121,7 +121,6 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         with whole_experts(self._experts(model)):
             if self.plugin.tp_size > 1 or self.plugin.pp_size > 1:
                 # each rank reads its tp slices of its stages' keys (experts whole)
-                from .hybrid import read_hf_sliced
                 read_hf_sliced(self.plugin, model, os.fspath(path), strict)
             else:
                 read_model(self.plugin.unwrap_model(model), os.fspath(path), strict)

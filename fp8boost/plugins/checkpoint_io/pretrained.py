@@ -21,6 +21,8 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from fp8boost.fp8.linear import weights_loaded
+
 from .atomic import require
 from .formats import MODEL_INDEX, MODEL_SINGLE
 from .hf_sharded import read_sharded
@@ -74,7 +76,6 @@ def load_remembered(model: nn.Module) -> bool:
     source = source_of(model)
     if source is None:
         return False
-    from fp8boost.fp8.linear import weights_loaded
 
     read_sharded(model, source.directory, strict=False, dtypes=source.dtypes)
     weights_loaded(model)  # FP8 layers (FSDP converts before materializing): drop stale casts

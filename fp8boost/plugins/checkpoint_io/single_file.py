@@ -23,6 +23,8 @@ import tempfile
 import uuid
 from typing import Optional
 
+import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from . import coordination as coord
@@ -101,9 +103,6 @@ def _is_torch_pickle(path: str) -> bool:
 
 
 def _pickle_to_safetensors(src: str, dst: str) -> None:
-    import torch
-    from safetensors.torch import save_file
-
     sd = torch.load(src, map_location="cpu", weights_only=True)
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict) and len(sd) == 1:
         sd = sd["state_dict"]

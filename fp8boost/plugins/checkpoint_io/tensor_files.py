@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file  # noqa: F401 - the one write path (see above)
 
 
@@ -22,8 +23,6 @@ def open_checked(path: str, read: Callable):
     safetensors' own error carries no path, so a user resuming from a half-written checkpoint
     could not tell which file is bad.
     """
-    from safetensors import SafetensorError
-
     try:
         return read(path)
     except SafetensorError as exc:
