@@ -83,7 +83,7 @@ RS_PLUGINS = ("zero1", "zero2", "gemini", "fsdp", "hybrid")
 
 def _from_preset(key: str) -> str:
     """Help for a default the preset fills: each preset's value and the --model-path one."""
-    values = ", ".join(f"{name} {d[key]:g}" + (f" ({presets.CPU_STEPS[name]} without a GPU)"
+    values = ", ".join(f"{name} {d[key]:g}" + (f" ({presets.CPU_STEPS[name]} on CPU)"
                                                 if key == "steps" and name in presets.CPU_STEPS
                                                 else "")
                        for name, d in presets.TRAIN_DEFAULTS.items())
@@ -240,7 +240,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.steps is None and not args.model_path and args.preset in presets.CPU_STEPS:
         import torch  # here, not at the top: --help stays fast
 
-        if not torch.cuda.is_available():
+        # A run on CPU (no GPU, or --device cpu) gets the quick default.
+        if args.device == "cpu" or not torch.cuda.is_available():
             args.steps = presets.CPU_STEPS[args.preset]
     for key, value in defaults.items():
         if getattr(args, key) is None:

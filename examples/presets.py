@@ -54,9 +54,9 @@ PRESETS: dict[str, dict[str, int]] = {
 
 # Training defaults per preset (any of them can be overridden on the command line). The tiny
 # ones are sized so the loss visibly falls (byte-level loss from ln(256) = 5.5 to ~2.2 nats in
-# 300 steps); the large ones are usual values for models of that size. Without a GPU the tiny
-# preset trains CPU_STEPS instead, so the README's main command ends in about a minute on 2
-# CPU cores (0.3 s a step there, emulated FP8: issue 39).
+# 300 steps); the large ones are usual values for models of that size. On CPU (no GPU, or
+# --device cpu) the tiny preset trains CPU_STEPS instead, so the README's main command ends in
+# about a minute on 2 CPU cores (0.3 s a step there, emulated FP8: issue 39).
 TRAIN_DEFAULTS: dict[str, dict[str, float | int]] = {
     "tiny": dict(seq_len=128, batch_size=8, lr=3e-3, steps=300),
     "small": dict(seq_len=256, batch_size=8, lr=1e-3, steps=1000),

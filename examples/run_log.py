@@ -169,15 +169,17 @@ def finish(logger: RunLogger, val_loss: Optional[float], out_dir: Path,
 
 
 def finish_interrupted(logger: RunLogger, out_dir: Path, args: argparse.Namespace,
-                       start_step: int, save_dir: Path) -> dict[str, Any]:
-    """Rank 0 after Ctrl-C: the partial run's summary.json and loss plot, and one line saying
-    where they are and how the run continues."""
+                       start_step: int, save_dir: Path, cause: str = "Ctrl-C") -> dict[str, Any]:
+    """Rank 0 after Ctrl-C or SIGTERM (``cause`` names it): the partial run's summary.json and
+    loss plot, and one line saying where they are and how the run continues."""
     summary = summarize(logger, None, out_dir, args, start_step, interrupted=True)
     png = _plot(out_dir, args)
     ckpt = checkpointing.latest_complete(save_dir)
-    then = (f"--resume auto continues from {ckpt.name}" if ckpt is not None else
+    # --resume auto needs a fixed folder to look in; a runs/<time> folder is named instead.
+    how = "--resume auto" if args.out_dir or args.save_dir else f"--resume {save_dir}"
+    then = (f"{how} continues from {ckpt.name}" if ckpt is not None else
             "no checkpoint was saved (--save-every N makes a run resumable)")
-    print(f"[train] interrupted (Ctrl-C) after step {logger.last_step} of {args.steps}: "
+    print(f"[train] interrupted ({cause}) after step {logger.last_step} of {args.steps}: "
           f"summary.json{', loss.png' if png else ''} and metrics.jsonl of the partial run "
           f"are in {out_dir}; {then}", flush=True)
     return summary

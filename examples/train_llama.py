@@ -45,10 +45,12 @@ ranks and devices in ``ranks.py``, run records in ``run_log.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path and (_HERE.parent / "fp8boost").is_dir():
@@ -63,6 +65,7 @@ from booster_setup import make_booster, make_plugin  # noqa: E402,F401
 from cli import (DESCRIPTION, PEER_ERROR_GRACE_S, PLUGINS, PRECISIONS,  # noqa: E402,F401
                  PRETRAINED_DEFAULTS, PROG, UsageError, check_resume, parse_args,
                  report_usage_error, save_dir_of, validate_args)
+from interrupts import exit_status, sigterm_as_interrupt, signal_name  # noqa: E402
 from model_setup import (MODEL_FAMILIES, build_model, check_model_folder,  # noqa: E402,F401
                          cosine_with_warmup, decoder_blocks, family_config, make_optimizer,
                          prepare_model)
@@ -74,27 +77,48 @@ from training import (RANK0_WARNINGS, Interrupted, clip_gradients,  # noqa: E402
                       evaluate, run_steps, save_and_prune, train, train_step)
 
 
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Within: a warning prints as one line (file:line: category: message), without the
+    source line Python adds below it, which in the run's log read as a stray line of code
+    (issue 39 item 6)."""
+    default = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):  # noqa: ANN001
+        return default(message, category, filename, lineno, line="")  # "": no source line
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = default
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python examples/train_llama.py [options]``.
 
     Returns 0, 2 after a bad flag (printed as one line, no traceback: the traceback would
-    only show where the check lives), or 130 after Ctrl-C (one line; during training the
-    partial run's summary.json and loss.png are written first). Any other error propagates
-    with its traceback.
+    only show where the check lives), or 128 + the signal after Ctrl-C (130) or SIGTERM (143,
+    what torchrun forwards to every rank when it is stopped, and what schedulers send): one
+    line; during training every rank finishes its step and the partial run's summary.json
+    and loss.png are written first (``interrupts.py``). Any other error propagates with its
+    traceback.
     """
     args = parse_args(argv)  # argparse's errors: one line and SystemExit(2) already
     ok = False
     try:
-        train(args)
+        with sigterm_as_interrupt(), one_line_warnings():
+            train(args)
         ok = True
     except UsageError as exc:
         report_usage_error(str(exc))
         return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback (128 + SIGINT)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, no traceback
         if not isinstance(exc, Interrupted) and int(os.environ.get("RANK", "0")) == 0:
-            print("[train] interrupted (Ctrl-C) outside the training steps (while starting or "
-                  "closing the run): no partial summary was written", flush=True)
-        return 130
+            print(f"[train] interrupted ({signal_name(getattr(exc, 'signum', None))}) outside "
+                  "the training steps (while starting or closing the run): no partial summary "
+                  "was written", flush=True)
+        return exit_status(exc)
     finally:
         if dist.is_initialized():
             if ok:

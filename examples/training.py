@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import signal
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from fp8boost.batch_checks import check_lm_batch
 import checkpointing
 import faults
 import hybrid
+import interrupts
 import metrics as metrics_lib
 import moe
 import run_checks
@@ -32,7 +34,16 @@ RANK0_WARNINGS = (r"fp8boost: FP8 tensor cores unavailable", r"fp8boost: no line
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during training, after the partial run's records were written and announced."""
+    """Ctrl-C or SIGTERM during training, after the partial run's records were written and
+    announced.
+
+    Attributes:
+        signum: the signal that stopped the run (``main`` exits with ``128 + signum``).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(interrupts.signal_name(signum))
+        self.signum = signum
 
 
 def clip_gradients(booster: Any, model: Any, optimizer: Any,
@@ -123,31 +134,44 @@ def run_steps(run: Run, args: argparse.Namespace, logger: RunLogger, start_step:
               out_dir: Path, save_dir: Path, rank: int, world_size: int,
               device: torch.device) -> Optional[float]:
     """Steps ``start_step + 1 .. --steps`` with their logs, evaluations and checkpoints;
-    returns the last validation loss (None when none was taken)."""
+    returns the last validation loss (None when none was taken).
+
+    Raises:
+        interrupts.SignalInterrupt: on every rank, once a step in which any rank received
+            Ctrl-C or SIGTERM is logged (a second signal raises at once, mid-step).
+    """
     guard = getattr(run.optimizer, "nonfinite_guard", None)
     if guard is not None:
         guard.step = start_step  # its warnings name the training step
     timer = metrics_lib.StepTimer(device)
     run.model.train()
     val_loss = None
-    for step in range(start_step + 1, args.steps + 1):
-        lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
-        timer.begin()
-        loss, grad_norm = train_step(run, args, step, rank, device)
-        seconds = timer.end()
-        (loss,), (seconds, mem) = reduce_mean_max(
-            [loss], [seconds, metrics_lib.peak_memory_gib(device)], world_size, device)
-        skipped = guard is not None and step in guard.skipped[-1:]
-        if not math.isfinite(loss) and not skipped:  # guard off: the step was applied
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or use "
-                                     "--precision bf16")
-        logger.step(step, loss, grad_norm, lr, seconds, mem, skipped)
-        if run.val_windows is not None and args.eval_every and step % args.eval_every == 0:
-            val_loss = evaluate(run, args, world_size, device)
-            logger.eval(step, val_loss)
-        if args.save_every and (step % args.save_every == 0 or step == args.steps):
-            save_and_prune(run, args, logger, step, out_dir, save_dir, rank, world_size,
-                           device)
+    # Ctrl-C / SIGTERM stop the run at the end of a step; ranks get a watchdog (interrupts.py).
+    grace = interrupts.STOP_GRACE_S if world_size > 1 else None
+    with interrupts.deferred_stop(grace, rank) as stop:
+        for step in range(start_step + 1, args.steps + 1):
+            lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
+            timer.begin()
+            loss, grad_norm = train_step(run, args, step, rank, device)
+            seconds = timer.end()
+            # The stop request rides on the step's own collective: every rank learns that any
+            # rank got the signal, after the same step.
+            (loss,), (seconds, mem, signum) = reduce_mean_max(
+                [loss], [seconds, metrics_lib.peak_memory_gib(device), stop.signum or 0],
+                world_size, device)
+            skipped = guard is not None and step in guard.skipped[-1:]
+            if not math.isfinite(loss) and not skipped:  # guard off: the step was applied
+                raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or use "
+                                         "--precision bf16")
+            logger.step(step, loss, grad_norm, lr, seconds, mem, skipped)
+            if signum:  # no evaluation or save: torchrun kills ranks 30 s after its signal
+                raise interrupts.SignalInterrupt(int(signum))
+            if run.val_windows is not None and args.eval_every and step % args.eval_every == 0:
+                val_loss = evaluate(run, args, world_size, device)
+                logger.eval(step, val_loss)
+            if args.save_every and (step % args.save_every == 0 or step == args.steps):
+                save_and_prune(run, args, logger, step, out_dir, save_dir, rank, world_size,
+                               device)
     return val_loss
 
 
@@ -210,10 +234,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                                             or args.steps % args.eval_every):
             val_loss = evaluate(run, args, world_size, device)
             logger.eval(args.steps, val_loss)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (interrupts.py), or a second one
+        signum = getattr(exc, "signum", signal.SIGINT)
         logger.close()
         if rank == 0:
-            finish_interrupted(logger, out_dir, args, start_step, save_dir)
-        raise Interrupted() from None
+            finish_interrupted(logger, out_dir, args, start_step, save_dir,
+                               interrupts.signal_name(signum))
+        raise Interrupted(signum) from None
     logger.close()
     return finish(logger, val_loss, out_dir, args, start_step) if rank == 0 else {}

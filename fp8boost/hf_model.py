@@ -37,7 +37,7 @@ def disable_kv_cache(model: nn.Module) -> int:
     """Set ``use_cache = False`` on every HF config inside ``model`` (training builds no cache).
 
     ``generate()`` still works afterwards (pass ``use_cache=True`` to it for fast decoding).
-    Returns how many configs were switched off (logged once at INFO).
+    Returns how many configs were switched off (logged once at DEBUG: the cache is off in training anyway).
 
     Example:
         >>> import transformers

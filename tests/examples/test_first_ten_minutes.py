@@ -1,7 +1,8 @@
 """Issue 39 ("the first ten minutes, again") for examples/train_llama.py: one run per
 ``--out-dir``, ``--resume auto`` following ``latest``, no duplicate metrics rows after a resume,
-Ctrl-C, and the inputs that printed a traceback or were accepted silently. Each test failed
-before its fix.
+the quick CPU default, Ctrl-C and SIGTERM (also under torchrun), the inputs that printed a
+traceback or were accepted silently, one-line warnings and the quiet KV-cache notice. Each test
+failed before its fix.
 
 A refused command line must be one line naming the cause and the fix, exit status 2, no
 traceback, and (where the check needs no model) come before the model is built: the run's
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.examples.example_env import ROOT, SCRIPT, SHORT, example_modules
 
@@ -28,8 +32,10 @@ from tests.examples.example_env import ROOT, SCRIPT, SHORT, example_modules
 @pytest.fixture(scope="module")
 def ex():
     """The example's modules, imported the way the script imports them."""
-    with example_modules("checkpointing", "run_checks", "train_llama") as (ckpt, checks, tl):
-        yield SimpleNamespace(checkpointing=ckpt, run_checks=checks, train=tl)
+    with example_modules("checkpointing", "interrupts", "presets", "run_checks",
+                         "train_llama") as (ckpt, interrupts, presets, checks, tl):
+        yield SimpleNamespace(checkpointing=ckpt, interrupts=interrupts, presets=presets,
+                              run_checks=checks, train=tl)
 
 
 def _env() -> dict[str, str]:
@@ -117,6 +123,30 @@ def test_refusal_comes_before_the_model_and_allows_resume_and_empty_folders(ex, 
     ex.train.validate_args(ex.train.parse_args(["--out-dir", str(tmp_path / "new")]), 1)
 
 
+# ------------------------------------------------------------ item 2: a quick main command
+
+
+def test_tiny_preset_trains_cpu_steps_on_cpu_and_the_readme_says_so(ex, monkeypatch):
+    """Without a GPU (or with --device cpu) and without --steps the tiny preset trains
+    CPU_STEPS; --steps, another preset and --model-path keep their own counts."""
+    parse, presets = ex.train.parse_args, ex.presets
+    cpu, gpu = presets.CPU_STEPS["tiny"], presets.TRAIN_DEFAULTS["tiny"]["steps"]
+    assert cpu < gpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = parse(["--use-fp8"])  # the README's main command
+    assert (args.steps, args.warmup_steps, args.eval_every) == (cpu, cpu // 20, cpu // 10)
+    assert parse(["--steps", "7"]).steps == 7
+    assert parse(["--preset", "small"]).steps == presets.TRAIN_DEFAULTS["small"]["steps"]
+    assert parse(["--model-path", "m"]).steps == ex.train.PRETRAINED_DEFAULTS["steps"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse([]).steps == gpu and parse(["--device", "cpu"]).steps == cpu
+    assert parse(["--steps", "7", "--device", "cpu"]).steps == 7
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"({cpu} steps; the tiny preset trains {gpu} on a GPU)" in readme
+    with example_modules("cli") as (cli,):
+        assert f"tiny {gpu} ({cpu} on CPU)" in " ".join(cli.build_parser().format_help().split())
+
+
 # --------------------------------------------------------------- item 3: no more tracebacks
 
 
@@ -152,33 +182,134 @@ def test_truncated_file_in_an_explicit_resume_folder_is_one_line(ex, tmp_path):
                             str(ckpt)), f"{state} is truncated", "--resume auto")
 
 
-def test_ctrl_c_saves_the_partial_run_and_a_resume_logs_no_step_twice(tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, str(SCRIPT), *SHORT, "--steps", "100000", "--save-every", "20",
-           "--out-dir", str(run), "--log-every", "100000"]
+def _interrupt(cmd: list[str], run: Path, signum: int) -> subprocess.CompletedProcess:
+    """Start ``cmd``, send it ``signum`` a few steps after its first checkpoint, and wait."""
     # SIGINT as a terminal sends it (a background job's SIGINT may be ignored: restore it).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 180
-    latest = run / "checkpoints" / "latest"
-    while not latest.is_file() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    time.sleep(0.5)  # a few steps past the checkpoint
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out
-    assert "Traceback" not in out, out  # was: an 83-line traceback
+    try:
+        deadline = time.monotonic() + 180
+        latest = run / "checkpoints" / "latest"
+        while not latest.is_file() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(0.5)  # a few steps past the checkpoint
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a hung run must not outlive the test
+            proc.kill()
+            out, _ = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def _assert_partial_run(out: str, run: Path, cause: str) -> dict:
+    """One line naming ``cause`` and the checkpoint to resume from; metrics.jsonl,
+    summary.json, loss.png and that checkpoint all valid and agreeing on the last step."""
     lines = [line for line in out.splitlines() if "interrupted" in line]
-    assert len(lines) == 1 and "--resume auto continues from step_" in lines[0], out
+    assert len(lines) == 1 and f"[train] interrupted ({cause}) after step" in lines[0], out
+    assert "--resume auto continues from step_" in lines[0], out
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert steps == list(range(1, len(steps) + 1)), steps  # every step once, the last whole
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["interrupted"] and summary["end_step"] == summary["steps_run"] > 20
+    assert summary["interrupted"] and summary["end_step"] == summary["steps_run"] == steps[-1]
+    assert f"after step {steps[-1]} of" in lines[0]
+    with example_modules("checkpointing") as (ckpt,):
+        newest = ckpt.latest_complete(run / "checkpoints")
+    assert newest is not None and lines[0].endswith(f"continues from {newest.name}"), out
     assert (run / "loss.png").is_file() or "matplotlib is not installed" in out
+    return summary
+
+
+def test_ctrl_c_saves_the_partial_run_and_a_resume_logs_no_step_twice(tmp_path):
+    run = tmp_path / "run"
+    proc = _interrupt([sys.executable, str(SCRIPT), *SHORT, "--steps", "100000",
+                       "--save-every", "20", "--out-dir", str(run), "--log-every", "100000"],
+                      run, signal.SIGINT)
+    assert proc.returncode == 130, proc.stdout
+    assert "Traceback" not in proc.stdout, proc.stdout  # was: an 83-line traceback
+    summary = _assert_partial_run(proc.stdout, run, "Ctrl-C")
+    assert summary["end_step"] > 20
     # Resuming logs the steps after the checkpoint again: each must appear once.
     resumed = _train("--steps", str(summary["end_step"] + 2), "--out-dir", str(run),
                      "--resume", "auto")
     assert "resumed from" in resumed
     assert _duplicates(run) == []
+
+
+def test_sigterm_takes_the_ctrl_c_path(tmp_path):
+    """SIGTERM (a scheduler's stop; what torchrun forwards when it is stopped) killed the run
+    at once, with no summary.json or loss.png and no line saying what happened."""
+    run = tmp_path / "run"
+    proc = _interrupt([sys.executable, str(SCRIPT), *SHORT, "--device", "cpu", "--steps",
+                       "1000", "--save-every", "2", "--out-dir", str(run)], run,
+                      signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout  # was: -15, killed
+    assert "Traceback" not in proc.stdout, proc.stdout
+    _assert_partial_run(proc.stdout, run, "SIGTERM")
+
+
+def test_sigterm_under_torchrun_stops_both_ranks_after_the_same_step(tmp_path):
+    """torchrun forwards its SIGTERM to every rank (which it killed at once, with no records);
+    the ranks stop after the same step (a rank leaving mid-collective would leave its peer
+    waiting in it) and rank 0 writes the partial run's records."""
+    run = tmp_path / "run"
+    proc = _interrupt([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc_per_node=2", str(SCRIPT), *SHORT, "--plugin", "ddp",
+                       "--device", "cpu", "--steps", "1000", "--save-every", "2", "--out-dir",
+                       str(run)], run, signal.SIGTERM)
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    assert out.count("closing signal SIGTERM") == 2, out  # torchrun forwarded it to each rank
+    assert 'train_llama.py", line' not in out, out  # torchrun's own traceback only
+    _assert_partial_run(out, run, "SIGTERM")
+
+
+def test_a_stop_signal_waits_for_the_step_and_a_second_one_stops_at_once(ex):
+    """Unit level: inside the training steps the first SIGINT/SIGTERM is only recorded, a
+    second raises; outside them SIGTERM raises as SIGINT does; handlers are restored after."""
+    interrupts = ex.interrupts
+    before = signal.getsignal(signal.SIGTERM)
+    with interrupts.deferred_stop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM  # recorded, nothing raised
+        with pytest.raises(interrupts.SignalInterrupt) as second:
+            os.kill(os.getpid(), signal.SIGTERM)  # (SIGINT may be ignored in a background job)
+    assert second.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(KeyboardInterrupt) as exc, interrupts.sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert interrupts.exit_status(exc.value) == 143 and signal.getsignal(signal.SIGTERM) is before
+    assert interrupts.exit_status(KeyboardInterrupt()) == 130  # Python's own Ctrl-C
+    assert [interrupts.signal_name(s) for s in (signal.SIGINT, signal.SIGTERM)] == [
+        "Ctrl-C", "SIGTERM"]
+
+
+def test_a_rank_stuck_after_a_stop_signal_is_ended_by_the_watchdog():
+    """A rank blocked where no handler runs (a collective whose peer died: torchrun SIGTERMs
+    the survivors before a restart) exits STOP_GRACE_S after the signal, not 30 s later by
+    torchrun's SIGKILL; a rank that leaves its steps in time is left alone."""
+    code = f"""if True:
+        import os, signal, sys, time
+        sys.path.insert(0, {str(ROOT / "examples")!r})
+        import interrupts
+        with interrupts.deferred_stop(grace_s=0.5) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        time.sleep(1.0)  # past the grace: the watchdog stood down
+        print("left in time", stop.signum == signal.SIGTERM, flush=True)
+        with interrupts.deferred_stop(grace_s=0.5, rank=1):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # stands for the collective that never returns
+        print("not reached", flush=True)
+        """
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.stdout, proc.stderr)
+    assert proc.stdout == "left in time True\n", proc.stdout
+    assert "rank 1: SIGTERM received, but the step did not end within 0.5 s" in proc.stderr
 
 
 # ---------------------------------------------------------- item 4: nothing accepted silently
@@ -228,6 +359,38 @@ def test_progress_prints_lines_not_a_bar_into_a_log(capsys, monkeypatch):
     bar = metrics.Progress(total=4)
     assert bar.bar is not None
     bar.close()
+
+
+def test_warnings_print_one_line_without_a_source_line(ex):
+    """The emulation warning printed the line of code it pointed at below it, which read as a
+    stray source line in the run's output (issue 39 item 6)."""
+    def shown() -> str:  # what Python prints (pytest replaces showwarning, not this)
+        return warnings.formatwarning(UserWarning("fp8boost: FP8 tensor cores unavailable"),
+                                      UserWarning, __file__, 1)  # line 1 has source text
+
+    assert shown().count("\n") == 2  # Python's own format: the message, then the line
+    with ex.train.one_line_warnings():
+        assert shown() == f"{__file__}:1: UserWarning: fp8boost: FP8 tensor cores unavailable\n"
+    assert shown().count("\n") == 2  # restored
+
+
+def test_kv_cache_notice_is_debug_only(ex, caplog):
+    """Boosting the example's model turns the KV cache off with one DEBUG record, not a
+    warning on every run (issue 39 item 6); the default logging shows WARNING and up only."""
+    from fp8boost import _state
+
+    with example_modules("booster_setup") as (setup,):
+        pass
+    args = ex.train.parse_args(["--use-fp8", "--device", "cpu"])
+    model = ex.train.build_model(args, 256, 64, torch.device("cpu"))
+    assert model.config.use_cache  # transformers' default: there is something to turn off
+    _state.forget_logged(("kv-cache-off", type(model).__name__))  # logged once per process
+    booster = setup.make_booster(args, torch.device("cpu"))
+    with caplog.at_level(logging.DEBUG, logger="fp8boost"):
+        booster.boost(model, torch.optim.AdamW(model.parameters()))
+    notices = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert [r.levelno for r in notices] == [logging.DEBUG], caplog.text
+    assert not model.config.use_cache
 
 
 def test_fp8_reduce_scatter_is_a_flag_the_messages_can_point_at(ex):
