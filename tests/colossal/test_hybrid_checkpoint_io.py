@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
@@ -33,19 +32,6 @@ SIGNATURES = {
     "save_lr_scheduler": ["lr_scheduler", "checkpoint"],
     "load_lr_scheduler": ["lr_scheduler", "checkpoint"],
 }
-
-
-@pytest.fixture
-def group(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
-    assert not dist.is_initialized()
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _run(plugin):

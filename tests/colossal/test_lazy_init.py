@@ -32,19 +32,6 @@ def _llama(lazy: bool, seed: int = 0, **kw):
         return AutoModelForCausalLM.from_config(_config(**kw))
 
 
-@pytest.fixture
-def group(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
-    assert not dist.is_initialized()
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def test_context_builds_on_meta_and_materialize_follows_eager_init():
     lazy = _llama(lazy=True)
     tensors = list(lazy.parameters()) + list(lazy.buffers())

@@ -17,17 +17,6 @@ from fp8boost.colossal.cluster import DistCoordinator
 from fp8boost.colossal.logging import get_dist_logger
 
 
-@pytest.fixture
-def group(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.setenv(var, "")  # recorded, so teardown restores what launch() sets
-        monkeypatch.delenv(var)
-    assert not dist.is_initialized()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_coordinator_needs_the_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="launch_from_torch"):

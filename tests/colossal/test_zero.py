@@ -14,7 +14,6 @@ import gc
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.plugins import helpers as H
@@ -22,19 +21,6 @@ from tests.plugins import helpers as H
 # colossalai/zero/__init__.py's __all__ at Colossal-AI v0.5.0 (4f9953be)
 UPSTREAM_ALL = ["GeminiDDP", "GeminiOptimizer", "GeminiAdamOptimizer", "zero_model_wrapper",
                 "zero_optim_wrapper", "LowLevelZeroOptimizer", "get_static_torch_model"]
-
-
-@pytest.fixture
-def group(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.setenv(var, "")  # recorded, so teardown restores the environment
-        monkeypatch.delenv(var)
-    assert not dist.is_initialized()
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _boost(plugin_name: str, **kwargs):
