@@ -93,8 +93,9 @@ def bf16_rows(e: int, s: int):
     return offs
 
 
-def projection(e, k, t, n_out, k_in) -> dict:
-    """Every variant for one projection W [E, N, K] at T tokens."""
+def projection(e, k, t, n_out, k_in, gemms_only: bool = False) -> dict:
+    """Every variant for one projection W [E, N, K] at T tokens (``gemms_only``: the GEMMs on
+    FP8 operands, torch's and each Triton config, without the casts and training rows)."""
     from fp8boost.fp8.moe import GroupedOptions, grouped_linear, route
     from fp8boost.fp8.moe.gemm import scaled_mm, scaled_mm_wgrad
     from fp8boost.fp8.moe.quantize import (ScaleOptions, quantize_experts, quantize_groups_t,
@@ -138,6 +139,15 @@ def projection(e, k, t, n_out, k_in) -> dict:
         out_dtype=torch.bfloat16)))
     res["fp8_wgrad_triton_tflops"] = {str(tuple(c)): tf(bench(lambda: gw.triton_wgrad(
         dyt, dyti, xt, xti, r.offsets, False, c))) for c in gw.CONFIGS}
+    # The same without the expert slices (one program per output tile; the default fills the
+    # SMs, gw.expert_split).
+    res["fp8_wgrad_triton_nosplit_tflops"] = {str(tuple(c)): tf(bench(lambda: gw.triton_wgrad(
+        dyt, dyti, xt, xti, r.offsets, False, c, 1))) for c in gw.CONFIGS}
+    torch_wgrad = torch._scaled_grouped_mm(dyt, xt.t(), dyti.reshape(-1), xti.reshape(-1),
+                                           offs=r.offsets, out_dtype=torch.bfloat16).float()
+    res["fp8_wgrad_triton_rel_err_vs_torch"] = max(
+        ((gw.triton_wgrad(dyt, dyti, xt, xti, r.offsets, False, c).float() - torch_wgrad).norm()
+         / torch_wgrad.norm()).item() for c in gw.CONFIGS)
     # Fast accumulation in the gradient GEMMs (off by default: Fp8Config.fast_accum_*).
     res["fp8_wgrad_gemm_fast_tflops"] = tf(bench(
         lambda: scaled_mm_wgrad(dyt, dyti, xt, xti, r.offsets, True)))
@@ -157,6 +167,8 @@ def projection(e, k, t, n_out, k_in) -> dict:
         dyq, wtq.transpose(-2, -1), dyi, wti, offs=r.offsets, out_dtype=torch.bfloat16)))
     res["fp8_dgrad_triton_tflops"] = {str(tuple(c)): tf(bench(lambda: gm.triton_mm(
         dyq, dyi, wtq, wti, r.offsets, False, c))) for c in gm.CONFIGS}
+    if gemms_only:
+        return res
     with torch.no_grad():
         res["fp8_fprop_tflops"] = tf(bench(lambda: grouped_linear(x, w, r, opts)))
     wg = w.clone().requires_grad_()
@@ -203,6 +215,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="T = 4096 and 8192 only")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--gemms-only", action="store_true",
+                   help="the grouped GEMMs on FP8 operands only (torch's and each Triton "
+                        "config), no casts or training rows")
     args = p.parse_args(argv[1:])
     from fp8boost.fp8 import Fp8Config
     from fp8boost.fp8.moe.gemm import probe_problem, resolve_backend
@@ -222,18 +237,33 @@ def main(argv=None) -> None:
         e, k, h, i = SHAPES[name]
         for t in ((4096, 8192) if args.quick else TOKENS):
             for proj, (n_out, k_in) in (("gate_up", (2 * i, h)), ("down", (h, i))):
-                r = {"shape": name, "proj": proj, **projection(e, k, t, n_out, k_in)}
+                r = {"shape": name, "proj": proj,
+                     **projection(e, k, t, n_out, k_in, args.gemms_only)}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 torch.cuda.empty_cache()
     path = write_json("moe_gemm", {**env_info(argv), "rows": rows})
     print(f"\nwrote {path}")
-    print_tables(rows)
+    (print_gemm_table if args.gemms_only else print_tables)(rows)
 
 
 def _x(r: dict, key: str) -> float:
     v = r.get(key)
     return float("nan") if v is None else v
+
+
+def print_gemm_table(rows: list) -> None:
+    """The gradient GEMMs (TFLOP/s): BF16, torch's FP8 and the best Triton config."""
+    print(f"{'shape':>14} {'proj':>7} {'T':>6} | {'dgrad bf16':>10} {'torch':>6} {'triton':>6} | "
+          f"{'wgrad bf16':>10} {'torch':>6} {'triton':>6} {'nosplit':>7} {'x bf16':>6}")
+    for r in rows:
+        dg, wg = r["fp8_dgrad_triton_tflops"], r["fp8_wgrad_triton_tflops"]
+        best_w = max(wg.values())
+        print(f"{r['shape']:>14} {r['proj']:>7} {r['T']:>6} | {r['bf16_dgrad_tflops']:10.0f} "
+              f"{r['fp8_dgrad_torch_tflops']:6.0f} {max(dg.values()):6.0f} | "
+              f"{r['bf16_wgrad_tflops']:10.0f} {r['fp8_wgrad_torch_tflops']:6.0f} {best_w:6.0f} "
+              f"{max(r['fp8_wgrad_triton_nosplit_tflops'].values()):7.0f} "
+              f"{best_w / r['bf16_wgrad_tflops']:6.2f}  best {max(wg, key=wg.get)}")
 
 
 def print_tables(rows: list) -> None:

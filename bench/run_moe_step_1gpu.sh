@@ -13,7 +13,7 @@ OUT=${OUT:-bench/results}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 what=${1:-all}
 if [ "$what" = gemm ]; then
-  timeout ${GEMM_TIMEOUT:-500} python3 bench/moe_gemm.py --quick 2>&1 | grep -v "^{" | tail -40
+  timeout ${GEMM_TIMEOUT:-500} python3 bench/moe_gemm.py --quick ${GEMM_ARGS:-} 2>&1 | grep -v "^{" | tail -40
   exit
 fi
 if [ "$what" = all ]; then

@@ -128,11 +128,14 @@ class TestInterpreter:
     @pytest.mark.parametrize("probs", [[0.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0],
                                        [5.0, 1.0, 0.0, 0.0, 3.0]],
                              ids=["first-empty", "last-empty", "one-expert", "two-empty"])
-    def test_streams_every_routing_layout(self, gw, probs):
-        """The kernel streams all experts' rows in one loop and stores each expert's tile at
-        its last chunk: empty experts first, last and side by side, one expert, and experts
-        of several chunks (150 tokens over 32-row chunks) all give the reference."""
+    @pytest.mark.parametrize("slices", ["one", "two", "each"])
+    def test_streams_every_routing_layout(self, gw, probs, slices):
+        """The kernel streams its slice of the experts' rows in one loop and stores each
+        expert's tile at its last chunk: empty experts first, last and side by side, one
+        expert, and experts of several chunks (150 tokens over 32-row chunks) all give the
+        reference, with the experts in one slice, two uneven ones, or one slice each."""
         e = len(probs)
+        split = {"one": 1, "two": min(2, e), "each": e}[slices]
         g = torch.Generator().manual_seed(7)
         idx = torch.multinomial(torch.tensor(probs).expand(150, e), 1, generator=g)
         r = route(idx, e)
@@ -141,7 +144,7 @@ class TestInterpreter:
         b = torch.where(keep, torch.randn(40, r.rows, generator=g) * 4, 0).to(E4M3)
         a_inv = torch.rand(e, 24, generator=g) + 0.25
         b_inv = torch.rand(e, 40, generator=g) + 0.25
-        got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, False, gw.INTERP_CONFIG)
+        got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, False, gw.INTERP_CONFIG, split)
         want = emulated_mm_wgrad(a, a_inv, b, b_inv, r.offsets, r.group, r.local)
         for ex, p in enumerate(probs):
             if p == 0:
@@ -171,6 +174,7 @@ def test_supports_refuses_what_the_kernel_cannot_take():
     assert not gw.supports(a, b, a_inv[:, :8], b_inv, r.offsets)
     with pytest.raises(ValueError, match="_scaled_grouped_mm"):
         gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, False)
+    assert gw.expert_split(96, 128, torch.device("cpu")) == 1
     calls = []
     from fp8boost import _state
 
@@ -228,9 +232,10 @@ def test_cuda_configs_match_torch(fast):
     assert rel(torch_out[r.offsets.diff(prepend=r.offsets[:1] * 0) > 0],
                want[r.offsets.diff(prepend=r.offsets[:1] * 0) > 0]) < 1e-2
     for cfg in gw.CONFIGS:
-        got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, fast, cfg)
-        assert (got[1] == 0).all(), cfg
-        assert rel(got, want) < 1e-2, (cfg, rel(got, want))
+        for split in (None, 1, 5, 32):  # the SM-filling default, none, uneven, one per expert
+            got = gw.triton_wgrad(a, a_inv, b, b_inv, r.offsets, fast, cfg, split)
+            assert (got[1] == 0).all(), (cfg, split)
+            assert rel(got, want) < 1e-2, (cfg, split, rel(got, want))
     # The op the experts call: whichever kernel was timed fastest, the same result.
     assert rel(scaled_mm_wgrad(a, a_inv, b, b_inv, r.offsets, fast), want) < 1e-2
     print("moe-wgrad timings (ms):", gw._CACHE.timings)

@@ -223,3 +223,28 @@ def test_a_tuning_run_that_tunes_another_cache_finishes(timer):
     worker.join(timeout=20)
     assert not worker.is_alive(), "nested ConfigCache.pick deadlocked"
     assert result == [B] and inner.best[KEY] == C
+
+
+def test_a_tuning_run_whose_inner_tuning_runs_on_another_thread_finishes(timer):
+    """The experts' precision choice times a backward; autograd runs a CUDA backward on its
+    device thread, where the casts' first call tunes and waits for the lock the timing thread
+    held (an RLock is per thread): this hung the GPU suite. Timing now holds no lock."""
+    import threading
+
+    inner = tuning.ConfigCache("inner-thread")
+    outer = tuning.ConfigCache("outer-thread")
+
+    def outer_run(cfg):
+        t = threading.Thread(target=lambda: inner.pick(KEY, [C, A], timer.run))
+        t.start()
+        t.join(timeout=10)
+        assert not t.is_alive(), "the inner pick waited for the outer one's lock"
+        timer.run(cfg)
+
+    result = []
+    worker = threading.Thread(target=lambda: result.append(outer.pick(KEY, [A, B], outer_run)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "ConfigCache.pick deadlocked across threads"
+    assert result == [B] and inner.best[KEY] == C

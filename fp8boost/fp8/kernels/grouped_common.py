@@ -40,9 +40,10 @@ TUNE_MIN_WORK = 1 << 32
 # benchmarked). From bench/moe_gemm.py on an H200, 2026-11-28 (moe_gemm_h200_2026-11-28.json,
 # promoted accumulation): M-grouped input gradient, (64, 128, 128) beat torch 1.5-2.2x at
 # Qwen3-30B-A3B's shapes and (128, 128, 128) came second (torch won at Mixtral's); the
-# K-grouped weight gradient reached 76-177 TFLOP/s in every config, below torch's kernel at
-# every shape (150-927), so it is not offered until it is faster: each offered config is a
-# Triton compile at first use (seconds on every rank), paid for nothing.
+# K-grouped weight gradient reached 76-177 TFLOP/s in every config (105-158 in its second
+# version, moe_gemm_h200_wgradhint_2026-11-28.json), below torch's kernel at every shape
+# (150-927), so it is not offered until it is faster: each offered config is a Triton compile
+# at first use (seconds on every rank), paid for nothing.
 MM_OFFERED = (TileConfig(64, 128, 128, 4, 4), TileConfig(128, 128, 128, 4, 8))
 WGRAD_OFFERED: tuple[TileConfig, ...] = ()
 INTERP_CONFIG = TileConfig(16, 32, 32, 1, 1)

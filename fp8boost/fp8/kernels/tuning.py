@@ -41,8 +41,11 @@ import torch
 from ... import _state
 from ..._state import log_once
 
-# Reentrant: a tuning run may itself tune (the experts' precision choice times the FP8
-# experts, whose first call tunes the cast and GEMM kernels); a plain Lock deadlocked there.
+# Guards the caches' dicts and files, never held while timing: a tuning run may itself tune,
+# on this thread or on another one (the experts' precision choice times FP8 experts whose
+# first call tunes the cast kernels, and their backward runs on autograd's device thread).
+# Held across the timing, a plain Lock deadlocked the first case and an RLock the second (both
+# on the GPU, issue 34).
 _LOCK = threading.RLock()
 _AUTOTUNE = "fp8.kernels.autotune"  # the _state setting
 _LOG = logging.getLogger("fp8boost.fp8.kernels")
@@ -218,14 +221,20 @@ class ConfigCache:
                 _LOG.info("fp8boost %s: %s loaded from %s for %s", self.name, best, path, key)
                 self.best[key] = best
                 return best
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                # Timing inside a CUDA-graph capture is impossible: use the first candidate for
-                # this call without caching it, so an eager call later still tunes.
-                return candidates[0]
-            self.best[key] = self._tune(key, candidates, run)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Timing inside a CUDA-graph capture is impossible: use the first candidate for
+            # this call without caching it, so an eager call later still tunes.
+            return candidates[0]
+        # Timed without the lock (see _LOCK). Two threads tuning one key both time it; the
+        # first to finish decides, so every caller gets one decision.
+        best = self._tune(key, candidates, run)
+        with _LOCK:
+            if key in self.best:
+                return self.best[key]
+            self.best[key] = best
             if path is not None:
-                self._store(path, key, self.best[key])
-            return self.best[key]
+                self._store(path, key, best)
+            return best
 
     def _load(self, path: Path, key: Hashable, candidates: Sequence[Any]) -> Any:
         """The stored decision for ``key`` if it is one of ``candidates``, else None."""
