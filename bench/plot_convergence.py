@@ -53,7 +53,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(runs: list[dict[str, Any]], png: Path) -> None:
+def plot(runs: list[dict[str, Any]], png: Path, title: str = "125M Llama") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -70,7 +70,7 @@ def plot(runs: list[dict[str, Any]], png: Path) -> None:
                 label=f"{r['plugin']} {r['run']} (val {r['final_val']:.4f})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
-    ax.set_title("125M Llama on shakespeare.txt: validation (markers), train (lines, smoothed)")
+    ax.set_title(f"{title} on shakespeare.txt: validation (markers), train (lines, smoothed)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -83,10 +83,11 @@ def main(argv=None) -> int:
     p.add_argument("jsonl", nargs="+", type=Path)
     p.add_argument("--png", type=Path, default=Path("bench/results/convergence_2gpu.png"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--title", default="125M Llama", help="the model, as the plot names it")
     args = p.parse_args(argv)
     runs = [load(f) for f in args.jsonl]
     rows = summarize(runs)
-    plot(runs, args.png)
+    plot(runs, args.png, args.title)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.png}\n| plugin | run | final val loss | vs BF16 | tokens | finite | "
