@@ -6,17 +6,13 @@ in ``precision`` through ``MixedPrecisionPolicy``; gradients reduce-scatter in F
 """
 from __future__ import annotations
 
-import logging
 from typing import ContextManager
 
 import torch
 from torch import nn
 
-from fp8boost import _state
-from fp8boost.fp8 import is_fp8_layer
 from fp8boost.parallel.comm.config import Fp8CommConfig
-from fp8boost.parallel.comm.expert_gather import report_expert_gather
-from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
+from fp8boost.parallel.comm.plan import FP8_RS_REASON
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8_reduce_scatter
 from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
@@ -26,19 +22,11 @@ from .checkpoint_io.pretrained import load_remembered
 from .colossal_args_fsdp import apply_param_init_fn
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
-from .granular_comm import block_gathered, is_granular, report_granular_gather
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
 from .wrappers import DTYPES, cast_buffers_, cast_params_
 
-logger = logging.getLogger("fp8boost.plugins")
-
-#: Why gradients do not reduce-scatter in FP8 by default (BENCHMARKS.md section 5).
-# (2xH200 NVLink: 0.11x at 16 MB, 0.52x at 256 MB, casts included.) One line: every comm
-# report prints it.
-FP8_RS_REASON = ("gradients reduce-scatter in FP32: FP8 reduce-scatter measured slower on "
-                 "NVLink (BENCHMARKS.md 5); the plugin's fp8_reduce_scatter=True is for slow "
-                 "links")
+__all__ = ["FsdpPluginBase", "rebind_optimizer", "FP8_RS_REASON"]  # the reason: parallel/comm/plan
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],
@@ -52,6 +40,8 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],
 class FsdpPluginBase(Plugin):
     """configure's steps for the FSDP2 plugins; subclasses validate and keep their own options
     (``reshard_after_forward``, ``cpu_offload``, ``norm_type``, ``allow_no_sync``)."""
+
+    comm_engine = "fsdp"  # the plan: which weights FSDP2 gathers in FP8, the reduce-scatter
 
     norm_type = 2.0
     reshard_after_forward, cpu_offload = True, False
@@ -88,7 +78,7 @@ class FsdpPluginBase(Plugin):
         mesh = self.topology().submesh("dp")
         # Buffers (FP8 amax histories) stay whole on every rank: reduce them to one history.
         reduce_delayed_amax(model, self.dp_group)
-        self.comm_report = self._fp8_all_gather(model)
+        self._fp8_all_gather(model)
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
         if self._lazy and getattr(self, "param_init_fn", None) is not None:
@@ -106,43 +96,24 @@ class FsdpPluginBase(Plugin):
         return FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type,
                              make_loss_scaler(self.precision, self.initial_scale,
                                               self.growth_interval),
-                             fp8_scales=self.comm_report.fp8_param_all_gather,
+                             fp8_scales=self.comm_plan.param_all_gather.fp8,
                              allow_no_sync=self.allow_no_sync,
                              group=self.topology().submesh("dp").get_group(), comm_device=device)
 
-    def _fp8_all_gather(self, model: nn.Module) -> CommReport:
-        report = CommReport()
-        if not self.fp8_communication:
-            report.not_fp8(PARAM_ALL_GATHER, "fp8_communication=False")
-            return report
-
-        # rowwise/blockwise layers: training dtype, except blockwise weights whose even shards
-        # hold whole blocks, gathered with their block scales (granular_comm.py)
-        ranks = self.topology().submesh("dp").size()
-        names = enable_fp8_all_gather(
-            model, self.comm_config or Fp8CommConfig(),
-            lambda mod, fqn: is_fp8_layer(mod) and (
-                not is_granular(mod) or block_gathered(mod, ranks, self.comm_config)))
-        report.fp8_all_gather_modules = names
-        report.fp8_param_all_gather = bool(names)
-        report_expert_gather(report, type(self).__name__, model)  # experts: training dtype
-        if not report_granular_gather(report, type(self).__name__, model, ranks,
-                                      self.comm_config) and not names:
-            why = ("no Fp8Linear layers (use_fp8=False or none converted): FP8 all-gather is for "
-                   "weights whose consumer is an FP8 GEMM")
-            report.not_fp8(PARAM_ALL_GATHER, why)
-            _state.log_once(logger, ("fsdp-ag", why), f"fp8boost: {why}")
-        return report
+    def _fp8_all_gather(self, model: nn.Module) -> None:
+        """Wrap the weights the plan sends as FP8 (before ``fully_shard``)."""
+        plan = self.comm_plan
+        if not plan.param_all_gather.fp8:
+            return
+        chosen = set(plan.fp8_gather_modules)
+        names = enable_fp8_all_gather(model, plan.config or Fp8CommConfig(),
+                                      lambda mod, fqn: fqn in chosen)
+        if names != plan.report().fp8_all_gather_modules:  # same walk: a mismatch is a bug
+            raise RuntimeError(f"FP8 all-gather wrapped {names}, the plan chose {sorted(chosen)}")
 
     def _fp8_reduce_scatter(self, model: nn.Module) -> None:
-        if not self.fp8_communication:
-            return
-        if self.fp8_reduce_scatter:
-            set_fp8_reduce_scatter(model, self.comm_config)
-            self.comm_report.fp8_grad_reduce = True
-            return
-        self.comm_report.not_fp8(GRAD_REDUCE, FP8_RS_REASON)
-        _state.log_once(logger, ("fsdp-rs", "slower"), f"fp8boost: {FP8_RS_REASON}")
+        if self.comm_plan.grad_reduce.fp8:
+            set_fp8_reduce_scatter(model, self.comm_plan.config)
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:
         if optimizer is None:

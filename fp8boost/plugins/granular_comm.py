@@ -1,91 +1,11 @@
-"""Which FP8 layers' weights an FP8 parameter all-gather carries, for rowwise/blockwise layers.
+"""Which FP8 layers' weights an FP8 parameter all-gather carries (rowwise/blockwise layers).
 
-FSDP2's and ZeRO's FP8 all-gathers send a tensorwise weight as FP8 bytes with one scale per
-tensor (the scale shared by the group). A layer under the ``rowwise`` or ``blockwise`` recipe
-re-quantizes its weight with a scale per row or 128 x 128 block, so a per-tensor FP8 wire would
-round it twice and lose what those recipes are for (an outlier sets the whole tensor's scale).
-FSDP2 (GeminiPlugin, TorchFSDPPlugin) and ZeRO (LowLevelZeroPlugin, HybridParallelPlugin's
-ZeRO) gather a blockwise weight whose even shards hold whole blocks as FP8 with its block
-scales (``parallel/fsdp/block_gather.py``, ``parallel/zero/direct_blocks.py``); every other
-rowwise/blockwise weight (rowwise ones, blockwise ones whose shards would split a block)
-travels in the training dtype: each plugin warns once and records why in its
-:class:`~fp8boost.parallel.comm.report.CommReport`
-(``plugin.comm_report.why_not['param_all_gather']``).
+The decision moved below the plugins, into the communication plan: the code is
+:mod:`fp8boost.parallel.comm.granular`; this module keeps the plugins' import path.
 """
-from __future__ import annotations
-
-from typing import Iterable, Optional
-
-import torch.distributed as dist
-from torch import nn
-
-from fp8boost import _state
-from fp8boost.fp8 import fp8_layers
-from fp8boost.fp8.config import GRANULAR_RECIPES
-
-from fp8boost.parallel.comm.config import Fp8CommConfig
-from fp8boost.parallel.comm.report import PARAM_ALL_GATHER, CommReport
-from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
+from fp8boost.parallel.comm.granular import (GRANULAR_GATHER_WHY, block_gathered, is_granular,
+                                             ranks_of, report_granular_gather,
+                                             split_fp8_gather_layers)
 
 __all__ = ["GRANULAR_GATHER_WHY", "is_granular", "block_gathered", "ranks_of",
            "split_fp8_gather_layers", "report_granular_gather"]
-
-GRANULAR_GATHER_WHY = (
-    "weights of rowwise/blockwise Fp8Linear layers are all-gathered in the training dtype: the "
-    "FP8 all-gather carries one scale per tensor and these recipes re-quantize per row/block, "
-    "so an FP8 wire would round each weight twice (FSDP2 and ZeRO gather blockwise weights "
-    "with their block scales when their even shards hold whole 128-row blocks)")
-"""Why a rowwise/blockwise layer's weight is not all-gathered in FP8."""
-
-
-def is_granular(module: Optional[nn.Module]) -> bool:
-    """Whether ``module`` is an Fp8Linear under a rowwise or blockwise recipe."""
-    cfg = getattr(module, "fp8_config", None)
-    return cfg is not None and cfg.recipe in GRANULAR_RECIPES
-
-
-def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int],
-                   comm_config=None) -> bool:
-    """Whether FSDP2 or ZeRO over ``shard_ranks`` ranks gathers ``module``'s weight as
-    block-scaled FP8 (None: no sharded FP8 gather, never). ``comm_config``: the plugin's
-    ``Fp8CommConfig`` (None: the default); its wire format must be the layer's (e4m3), or the
-    gather would fall back to one scale per weight and round the weight twice."""
-    wire = (comm_config or Fp8CommConfig()).param_dtype
-    return shard_ranks is not None and block_gather_unfit(module, shard_ranks, wire) is None
-
-
-def ranks_of(group) -> int:
-    """The size of a process group (1 for None or without a process group)."""
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
-def split_fp8_gather_layers(layers: Iterable[nn.Module]) -> tuple[list, list]:
-    """``(layers whose weights may travel in FP8, rowwise/blockwise layers)``."""
-    keep, granular = [], []
-    for layer in layers:
-        (granular if is_granular(layer) else keep).append(layer)
-    return keep, granular
-
-
-def report_granular_gather(report: CommReport, where: str, model: nn.Module,
-                           shard_ranks: Optional[int] = None, comm_config=None) -> int:
-    """Record in ``report`` (and warn once, naming ``where``) that the weights of ``model``'s
-    rowwise/blockwise layers are all-gathered in the training dtype; returns how many.
-
-    ``shard_ranks``: FSDP2's or ZeRO's shard group size; the blockwise layers gathered with
-    block scales (:func:`block_gathered` with ``comm_config``) are not counted. When every FP8 layer is left in the
-    training dtype, ``report.fp8_param_all_gather`` becomes False.
-    """
-    layers = fp8_layers(model)
-    n_granular = sum(is_granular(m) and not block_gathered(m, shard_ranks, comm_config)
-                     for m in layers)
-    if not n_granular:
-        return 0
-    why = f"{n_granular} {GRANULAR_GATHER_WHY}"
-    before = report.why_not.get(PARAM_ALL_GATHER)
-    # Another reason (e.g. FP8 experts', recorded first by FSDP2's plugins) stays: keep both.
-    report.not_fp8(PARAM_ALL_GATHER, why if not before else f"{before}; {why}")
-    if n_granular == len(layers):
-        report.fp8_param_all_gather = False
-    _state.warn_once(("granular-fp8-param-gather", where), f"fp8boost {where}: {why}")
-    return n_granular

@@ -23,9 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8 import fp8_layers
 from fp8boost.fp8.moe.detect import router_aux_loss_on
-from fp8boost.parallel.comm.expert_gather import report_expert_gather
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.tp import TpPlan, apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
@@ -40,8 +38,6 @@ from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .distributed import broadcast_module
-from .granular_comm import (block_gathered, is_granular, ranks_of,
-                            report_granular_gather)
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
@@ -304,6 +300,15 @@ class HybridParallelPlugin(Plugin):
             if self._layout else None
         super().build_model(model, optimizer, device)
 
+    comm_engine = "zero"  # ZeRO over dp (x sp under Ulysses): the plan's dp collectives
+
+    def comm_plan_args(self, model: nn.Module) -> dict:
+        # the tp split comes after the plan: its column-parallel layers' rows decide whether
+        # a blockwise weight's ZeRO chunks hold whole blocks
+        return {"zero_stage": self.zero_stage,
+                "sequence_parallel": self.sequence_parallelism_mode,
+                "tp_colwise": self._plan.colwise if self._plan is not None else ()}
+
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         topo = self.topology()
         if self.pp_state is not None:
@@ -315,8 +320,7 @@ class HybridParallelPlugin(Plugin):
             plan = stage_plan(self._plan, model) if self.pp_state is not None else self._plan
             self.tp_state = apply_tp(model, plan, topo.group("tp"),
                                      sequence_parallel=self.sequence_parallelism_mode
-                                     == "split_gather",
-                                     fp8_communication=self.fp8_communication)
+                                     == "split_gather", comm_plan=self.comm_plan)
         apply_ulysses_to(self, model, topo)  # all_to_all: attention over the sp ranks
         # Delayed scaling: one amax history on every rank that holds the same layers (with pp,
         # one stage's dp x tp ranks: other stages' reductions must not be matched with ours).
@@ -325,7 +329,7 @@ class HybridParallelPlugin(Plugin):
             build_runner(model, self.pp_state, self.pipeline, device=device,
                          act_dtype=DTYPES[self.precision], tp_size=self.tp_size,
                          sequence_parallel=self.enable_sequence_parallelism,
-                         fp8_communication=self.fp8_communication, comm_config=self.comm_config)
+                         comm_plan=self.comm_plan)
         self.input_guard = self._make_input_guard(topo, device, self._debug_inputs)
         return model
 
@@ -333,28 +337,18 @@ class HybridParallelPlugin(Plugin):
         topo = self.topology()
         sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
         replicated = [p for n, p in model.named_parameters() if n not in sharded]
-        group = zero_group(self, topo)
-        zero_ranks = ranks_of(group)  # blockwise weights whose chunks hold whole blocks: FP8
         opt = ZeroOptimizer(
-            optimizer, dp_group=group, stage=self.zero_stage,
+            optimizer, dp_group=zero_group(self, topo), stage=self.zero_stage,
             overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
             loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
                                     self.colossal.loss_scale),
-            fp8_communication=self.fp8_communication, comm_config=self.comm_config,
-            fp8_reduce_scatter=self.fp8_reduce_scatter,
-            fp8_params=[m.weight for m in fp8_layers(model)
-                        if not is_granular(m) or block_gathered(m, zero_ranks, self.comm_config)],
+            comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model),
             tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
             pp_counted_elsewhere=self._tied_copy())
         opt.bind_fp8_layers(model)
-        self.comm_report = opt.comm_report
-        if self.fp8_communication and opt.dp_world > 1:  # rowwise/blockwise: granular_comm.py
-            report_granular_gather(self.comm_report, "HybridParallelPlugin", model,
-                                   opt.dp_world, self.comm_config)
-            report_expert_gather(self.comm_report, "HybridParallelPlugin", model)
         return opt
 
     def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:

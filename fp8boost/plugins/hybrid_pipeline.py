@@ -30,6 +30,7 @@ from torch import nn
 
 from fp8boost import _state
 from fp8boost.parallel.comm.config import Fp8CommConfig
+from fp8boost.parallel.comm.plan import CommPlan
 from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRunner,
                                         build_stage_modules, check_pipeline_model,
                                         check_pipeline_options, make_layout, strip_to_rank,
@@ -193,12 +194,13 @@ def stage_plan(plan, model: nn.Module):
 
 def build_runner(model: nn.Module, state: PipelineState, opts: PipelineOptions, *, device,
                  act_dtype: torch.dtype, tp_size: int, sequence_parallel: bool,
-                 fp8_communication: bool, comm_config) -> PipelineRunner:
-    """Step 5."""
+                 comm_plan: CommPlan) -> PipelineRunner:
+    """Step 5. The boundaries carry FP8 where ``comm_plan.pipeline_p2p`` says (and, per
+    boundary, where ``BoundaryPlan`` finds a wire and a payload worth the casts)."""
     lay = state.layout
     same = {s: lay.rank_of(s) == lay.rank_of(s + 1) for s in range(lay.num_stages - 1)}
-    state.boundaries = BoundaryPlan(enabled=fp8_communication,
-                                    cfg=comm_config or Fp8CommConfig(), same_rank=same)
+    state.boundaries = BoundaryPlan(enabled=comm_plan.pipeline_p2p.fp8,
+                                    cfg=comm_plan.config or Fp8CommConfig(), same_rank=same)
     mods = build_stage_modules(model, lay, state.rank, state.boundaries, act_dtype,
                                tp_size if sequence_parallel else 1)
     vocab = model.config.vocab_size // tp_size

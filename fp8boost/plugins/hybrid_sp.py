@@ -104,7 +104,7 @@ def apply_ulysses_to(plugin, model, topo) -> None:
     if plugin.sp_size == 1:
         return
 
-    apply_ulysses(model, topo.group("sp"), plugin.fp8_communication, plugin.comm_config)
+    apply_ulysses(model, topo.group("sp"), plugin.comm_plan)
 
 
 def zero_group(plugin, topo):

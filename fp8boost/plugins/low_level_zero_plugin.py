@@ -6,20 +6,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fp8boost.fp8 import fp8_layers
-from fp8boost.fp8.backends import warn_once
-from fp8boost.parallel.comm.expert_gather import report_expert_gather
+from fp8boost.parallel.comm.plan import PARAM_GATHER
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .colossal_args import loss_scale_args, low_level_zero_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module
-from .granular_comm import (block_gathered, is_granular, ranks_of,
-                            report_granular_gather)
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 
-FP8_PARAM_GATHER = ("fp8_linear", "all", "none")
+FP8_PARAM_GATHER = PARAM_GATHER  # the plan (parallel/comm/plan.py) resolves the choice
 
 
 @takes_plugin_options(positional=("stage", "precision", "use_fp8", "fp8_communication"))
@@ -122,6 +118,12 @@ class LowLevelZeroPlugin(Plugin):
         reduce_delayed_amax(model, group)  # one delayed-scaling history on every rank
         return model
 
+    comm_engine = "zero"
+
+    def comm_plan_args(self, model: nn.Module) -> dict:
+        # which parameters the post-step all-gather sends in FP8 (the plan resolves it)
+        return {"zero_stage": self.stage, "param_gather": self.fp8_param_gather}
+
     def wrap_optimizer(self, model: nn.Module, optimizer, device: torch.device) -> ZeroOptimizer:
         opt = ZeroOptimizer(
             optimizer, dp_group=self.topology().group("dp"), stage=self.stage,
@@ -130,32 +132,6 @@ class LowLevelZeroPlugin(Plugin):
             cpu_offload=self.cpu_offload,
             loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
                                     self.loss_scale_kwargs),
-            fp8_communication=self.fp8_communication, comm_config=self.comm_config,
-            fp8_params=self._fp8_gather_params(model),
-            fp8_reduce_scatter=self.fp8_reduce_scatter)
-        self.comm_report = opt.comm_report
-        if self.fp8_communication and self.fp8_param_gather == "fp8_linear":
-            report_granular_gather(self.comm_report, "LowLevelZeroPlugin", model,
-                                   opt.dp_world, self.comm_config)
-            report_expert_gather(self.comm_report, "LowLevelZeroPlugin", model)
+            comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model))
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         return opt
-
-    def _fp8_gather_params(self, model: nn.Module) -> Optional[list]:
-        if self.fp8_param_gather == "all":
-            return None
-        if self.fp8_param_gather == "none":
-            return []
-        # rowwise/blockwise layers' weights stay in the training dtype, except blockwise ones
-        # whose chunks hold whole blocks: FP8 with their block scales (granular_comm.py)
-        ranks = ranks_of(self.topology().group("dp"))
-        weights = [m.weight for m in fp8_layers(model)
-                   if not is_granular(m) or block_gathered(m, ranks, self.comm_config)]
-        if self.fp8_communication and not fp8_layers(model):
-            warn_once("zero_fp8_gather_none",
-                      "LowLevelZeroPlugin(fp8_communication=True): the model has no Fp8Linear "
-                      "layers (use_fp8=False), so only gradients travel in FP8 and parameters "
-                      "are all-gathered in their own dtype; pass fp8_param_gather='all' to send "
-                      "every parameter in FP8")
-        return weights
-

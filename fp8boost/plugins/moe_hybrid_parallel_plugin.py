@@ -230,6 +230,8 @@ class MoeHybridParallelPlugin(Plugin):
             if self._layout is not None else None
         super().build_model(model, optimizer, device)
 
+    comm_engine = "moe"  # the plan: FP8 token dispatch; ZeRO and gradients in their dtype
+
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         topo = self.topology(device)
         if self.pp_state is not None:  # each stage from its lowest rank (and the tied weight)
@@ -242,16 +244,14 @@ class MoeHybridParallelPlugin(Plugin):
         self.norm_group = topo.flat_group("pp", "ep")
         if self._plan is not None:  # attention/dense MLPs split; MoE blocks stay whole
             plan = stage_plan(self._plan, model) if self.pp_state is not None else self._plan
-            self.tp_state = apply_tp(model, plan, topo.group("tp"),
-                                     fp8_communication=self.fp8_communication)
-        shard_experts(model, self.ep_group, fp8=self.fp8_communication)
+            self.tp_state = apply_tp(model, plan, topo.group("tp"), comm_plan=self.comm_plan)
+        shard_experts(model, self.ep_group, self.comm_plan)  # FP8 dispatch: the plan's ep route
         self._expert_ids = expert_params(model)
         self._model = model
         if self.pp_state is not None:
             build_runner(model, self.pp_state, self.pipeline, device=device,
                          act_dtype=DTYPES[self.precision], tp_size=self.tp_size,
-                         sequence_parallel=False, fp8_communication=self.fp8_communication,
-                         comm_config=self.comm_config)
+                         sequence_parallel=False, comm_plan=self.comm_plan)
         groups = replica_groups(self, topo)  # the tp and pp ranks of a replica read one batch
         self.input_guard = ReplicaInputGuard(groups, device, self._debug_inputs) \
             if groups else None
@@ -299,7 +299,7 @@ class MoeHybridParallelPlugin(Plugin):
             pp_group=self.norm_group, pp_counted_elsewhere=shared,
             loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
                                     self.colossal.loss_scale),
-            fused_master_step=self.fused_master_step)
+            fused_master_step=self.fused_master_step, comm_plan=self.comm_plan)
 
     # ------------------------------------------------------------------ pipeline
     @property

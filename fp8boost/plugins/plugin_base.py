@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from fp8boost import _state
 from fp8boost.loss import install_fused_lm_loss
+from fp8boost.parallel.comm.plan import CommPlan, build_comm_plan
 from fp8boost.parallel.comm.report import CommReport
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
@@ -212,8 +213,14 @@ class Plugin(ABC):
     def __init__(self, **options) -> None:
         self.options = PluginOptions(**options)
         self.fp8_report = None  # the last boost's ConversionReport (None without use_fp8)
-        # which collectives the last boost put in FP8, and why not
-        self.comm_report = CommReport()
+        # which collectives the last boost put in FP8, and why not (None before a boost)
+        self.comm_plan: Optional[CommPlan] = None
+
+    @property
+    def comm_report(self) -> CommReport:
+        """What the last boost put on the wire in FP8, and why not: :attr:`comm_plan` as a
+        ``CommReport`` (an empty one before ``boost``)."""
+        return self.comm_plan.report() if self.comm_plan is not None else CommReport()
 
     def control_precision(self) -> bool:
         """True when the plugin's own ``precision`` argument decides the training dtype."""
@@ -232,7 +239,8 @@ class Plugin(ABC):
 
         The steps, in this order (each a method below): ``validate`` (before any collective)
         -> ``setup_distributed`` -> ``build_model`` (move, cast; materialize) -> ``convert_fp8``
-        -> ``parallelize`` (broadcast, shard, split) -> ``fuse_lm_loss`` -> ``wrap_optimizer`` ->
+        -> ``plan_comm`` -> ``parallelize`` (broadcast, shard, split) -> ``fuse_lm_loss`` ->
+        ``wrap_optimizer`` ->
         ``bind_checkpoint_io``; then the model is wrapped and the dataloader sharded over dp.
         """
         check_boost_args(model, optimizer, criterion, dataloader, lr_scheduler)
@@ -241,6 +249,7 @@ class Plugin(ABC):
         device = self.setup_distributed(device)
         self.build_model(model, optimizer, device)
         self.fp8_report = self.convert_fp8(model)
+        self.comm_plan = self.plan_comm(model)
         module = self.parallelize(model, device)
         self.fuse_lm_loss(model)
         opt = self.wrap_optimizer(model, optimizer, device) if optimizer is not None else None
@@ -279,6 +288,23 @@ class Plugin(ABC):
 
         ``convert_to_fp8`` warns (once) when nothing converted, saying why."""
         return convert_model(model, self.use_fp8, self.fp8_config)
+
+    #: what reduces gradients and gathers parameters over dp (``parallel/comm/plan.ENGINES``)
+    comm_engine: str = "none"
+
+    def plan_comm(self, model: nn.Module) -> CommPlan:
+        """Step 4b: decide, once, which collectives go FP8 and why not
+        (:func:`~fp8boost.parallel.comm.plan.build_comm_plan` on the converted model, the
+        options and the topology); every later step reads ``self.comm_plan``, and
+        ``comm_report`` is derived from it."""
+        dims = self.topology().dims if self.comm_engine != "none" else ParallelDims()
+        return build_comm_plan(model, self.options, dims, engine=self.comm_engine,
+                               where=type(self).__name__, **self.comm_plan_args(model))
+
+    def comm_plan_args(self, model: nn.Module) -> dict:
+        """What a plugin adds to :func:`build_comm_plan`'s inputs (ZeRO's stage, the
+        sequence-parallel mode, the tensor-parallel split): keyword arguments."""
+        return {}
 
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         """Step 5: make the replicas equal and shard or split ``model`` (in place); returns

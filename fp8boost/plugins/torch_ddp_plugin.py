@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fp8boost.parallel.comm.report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
 from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
 
 from .colossal_args import ddp_args
@@ -88,17 +87,14 @@ class TorchDDPPlugin(Plugin):
         self.options = dataclasses.replace(self.options, precision="bf16" if fp8 else mixed_precision,
                                            use_fp8=self.use_fp8 or fp8)
 
+    comm_engine = "ddp"  # the plan: gradients through the FP8 hook, nothing to gather
+
     # configure's steps (Plugin.configure): the defaults but for DDP itself.
     def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   process_group=self.topology().group("dp"), **self.ddp_kwargs)
-        # DDP gathers no parameters: replicas hold them whole.
-        self.comm_report = CommReport(fp8_grad_reduce=self.fp8_communication)
-        self.comm_report.not_fp8(PARAM_ALL_GATHER, "DDP replicates parameters: nothing to gather")
-        if self.fp8_communication:
-            register_fp8_comm_hook(ddp, config=self.comm_config)  # averages over DDP's own group
-        else:
-            self.comm_report.not_fp8(GRAD_REDUCE, "fp8_communication=False")
+        if self.comm_plan.grad_reduce.fp8:  # averages over DDP's own group
+            register_fp8_comm_hook(ddp, config=self.comm_plan.config)
         return ddp
 
     def no_sync(self, model=None, optimizer=None) -> ContextManager:

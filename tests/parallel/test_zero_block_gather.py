@@ -46,11 +46,14 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 def _train(stage: int, fp8: bool, rank: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     from fp8boost.fp8.granular import quantize_blocks
     from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.comm.plan import CommPlan, CommRoute
     from fp8boost.parallel.zero import ZeroOptimizer
     model = _model(dtype)
+    gather = CommRoute(fp8=True, why_not="") if fp8 else CommRoute()
+    plan = CommPlan(requested=fp8, engine="zero", param_all_gather=gather,
+                    config=Fp8CommConfig(min_payload_numel=0))
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                        dp_group=dist.group.WORLD, stage=stage, fp8_communication=fp8,
-                        comm_config=Fp8CommConfig(min_payload_numel=0),
+                        dp_group=dist.group.WORLD, stage=stage, comm_plan=plan,
                         fp8_params=[model[i].weight for i in BLOCK], reduce_bucket_numel=4000)
     opt.bind_fp8_layers(model)
     out = {"losses": [], "bytes": [], "casts": [], "gather_reduces": [], "decoded": []}

@@ -153,13 +153,16 @@ def _check_invalidation(model, opt, rank: int) -> None:
 
 
 def _zero_direct(rank: int, world: int) -> None:
+    from fp8boost.parallel.comm.plan import CommPlan, CommRoute
     from fp8boost.parallel.zero import ZeroOptimizer
     _, comm = _cfgs()
+    plan = CommPlan(requested=True, engine="zero", config=comm,
+                    param_all_gather=CommRoute(fp8=True, why_not=""))
     for stage in (2, 1):
         model = _model()
         opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                            dp_group=dist.group.WORLD, stage=stage, fp8_communication=True,
-                            comm_config=comm, fp8_params=[model[i].weight for i in (0, 2, 4)],
+                            dp_group=dist.group.WORLD, stage=stage, comm_plan=plan,
+                            fp8_params=[model[i].weight for i in (0, 2, 4)],
                             reduce_bucket_numel=2000)
         opt.bind_fp8_layers(model)
         for step in range(3):

@@ -12,7 +12,9 @@ what the two reported as differently keyed dicts before:
 * ``why_not[PARAM_ALL_GATHER]``: FSDP ``why_not["all_gather"]``; ZeRO had none;
 * ``why_not[GRAD_REDUCE]``: ZeRO ``why_not["grad_reduce"]``; FSDP ``why_not["reduce_scatter"]``.
 
-Tensor parallelism (``TpState.comm_report``) and pipeline boundaries
+A plugin's report is derived from its communication plan (:meth:`~.plan.CommPlan.report`,
+``plugin.comm_report``), never filled by the engines. Tensor parallelism
+(``TpState.comm_report``) and pipeline boundaries
 (``BoundaryPlan.report``) report per region / per boundary and keep their own string maps.
 """
 from __future__ import annotations

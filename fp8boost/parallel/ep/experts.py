@@ -21,12 +21,14 @@ deliberate graph break per MoE block (``torch.compiler.disable``).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fp8boost.fp8.moe import find_expert_spec, is_fp8_experts
+from fp8boost.parallel.comm.plan import CommPlan
 
 from .dispatch import combine, dispatch, plan_splits
 
@@ -138,8 +140,13 @@ class EpExperts(nn.Module):
                 f"fp8_dispatch={self.fp8}, inner={type(self.inner).__name__}")
 
 
-def shard_experts(model: nn.Module, ep_group, fp8: bool = False) -> list[tuple[str, EpExperts]]:
-    """Replace every fused-expert module of ``model`` by its :class:`EpExperts` (in place)."""
+def shard_experts(model: nn.Module, ep_group,
+                  comm_plan: Optional[CommPlan] = None) -> list[tuple[str, EpExperts]]:
+    """Replace every fused-expert module of ``model`` by its :class:`EpExperts` (in place).
+
+    ``comm_plan`` (the plugin's :class:`~fp8boost.parallel.comm.plan.CommPlan`; None: plain
+    all-to-alls): ``ep_dispatch.fp8`` dispatches the rows in e4m3 with per-row scales."""
+    fp8 = comm_plan is not None and comm_plan.ep_dispatch.fp8
     done = []
     for name, module in find_experts(model):
         parent_name, _, attr = name.rpartition(".")

@@ -38,7 +38,8 @@ __all__ = ["block_gather_unfit", "pre_all_gather_blocks", "post_all_gather_block
 
 def block_gather_unfit(module: Optional[nn.Module], shard_ranks: Optional[int],
                        wire_dtype: Optional[torch.dtype] = None, tied: bool = False,
-                       shape: Optional[tuple] = None) -> Optional[str]:
+                       shape: Optional[tuple] = None, rows: Optional[int] = None
+                       ) -> Optional[str]:
     """Why ``module``'s weight cannot be all-gathered as block-scaled FP8 (None: it can).
 
     Args:
@@ -48,6 +49,8 @@ def block_gather_unfit(module: Optional[nn.Module], shard_ranks: Optional[int],
         tied: the weight is shared with another module.
         shape: the unsharded shape FSDP gathers (None: not checked); under tensor parallelism
             it is a local DTensor shard, which the layer does not unwrap.
+        rows: the weight's rows when sharded (None: ``module.weight``'s own). A communication
+            plan decided before a tensor-parallel split passes the rows the split will leave.
     """
     cfg = getattr(module, "fp8_config", None)
     if not is_fp8_layer(module) or cfg.recipe != "blockwise":
@@ -61,13 +64,14 @@ def block_gather_unfit(module: Optional[nn.Module], shard_ranks: Optional[int],
     if wire_dtype is not None and wire_dtype != cfg.fwd_dtype:
         return (f"Fp8CommConfig.param_dtype {wire_dtype} != the blockwise GEMM's weight format "
                 f"{cfg.fwd_dtype}")
-    if shard_ranks is not None and w.shape[0] % shard_ranks:
-        return (f"its {w.shape[0]} rows do not split evenly over {shard_ranks} ranks (FSDP2 "
+    n = w.shape[0] if rows is None else rows
+    if shard_ranks is not None and n % shard_ranks:
+        return (f"its {n} rows do not split evenly over {shard_ranks} ranks (FSDP2 "
                 "gives an uneven shard's all-gather inputs the padded shard's shape: no room "
                 "for the block scales)")
-    if shard_ranks is not None and (w.shape[0] // shard_ranks) % b:
-        return (f"its {w.shape[0]} rows over {shard_ranks} ranks give shards of "
-                f"{w.shape[0] // shard_ranks} rows, not a multiple of the {b}-row blocks "
+    if shard_ranks is not None and (n // shard_ranks) % b:
+        return (f"its {n} rows over {shard_ranks} ranks give shards of "
+                f"{n // shard_ranks} rows, not a multiple of the {b}-row blocks "
                 "(a block would straddle two ranks)")
     return None
 

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fp8boost.parallel.comm.plan import CommPlan
+
 from .attention import attach
 
 __all__ = ["check_ulysses", "apply_ulysses", "UlyssesForward"]
@@ -128,15 +130,19 @@ class UlyssesForward:
         return type(out)(**{**dict(out.items()), "loss": loss})
 
 
-def apply_ulysses(model: nn.Module, group, fp8_communication: bool = False,
-                  comm_config=None) -> int:
+def apply_ulysses(model: nn.Module, group, comm_plan: Optional[CommPlan] = None) -> int:
     """Make ``model`` (a HF causal LM, after any tensor-parallel split) run Ulysses over
     ``group``; returns the number of attention modules routed through the all-to-alls.
 
+    ``comm_plan`` (the plugin's :class:`~fp8boost.parallel.comm.plan.CommPlan`; None: plain
+    all-to-alls): ``sp_all_to_all.fp8`` sends the forward payloads as FP8 bytes, with
+    ``comm_plan.config``.
+
     Example:
-        >>> n = apply_ulysses(model, topology.group("sp"), fp8_communication=True)  # doctest: +SKIP
+        >>> n = apply_ulysses(model, topology.group("sp"), plugin.comm_plan)  # doctest: +SKIP
     """
-    n = attach(model, group, fp8_communication, comm_config)
+    comm = comm_plan if comm_plan is not None else CommPlan()
+    n = attach(model, group, comm.sp_all_to_all.fp8, comm.config)
     if n == 0:
         raise ValueError("found no HF attention module (q_proj + head_dim + config) to run "
                          "Ulysses around; use sp_size=1 for this model")

@@ -28,6 +28,7 @@ from fp8boost import _state
 from fp8boost.fp8 import is_fp8_layer
 from fp8boost.fp8.config import GRANULAR_RECIPES
 from fp8boost.fp8.scaling import E4M3
+from fp8boost.parallel.comm.plan import CommPlan
 
 from .fp8_gather import gather_seq_fp8
 from .functional import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq
@@ -161,11 +162,13 @@ def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
 
 
 def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool = False,
-             fp8_communication: bool = False) -> TpState:
+             comm_plan: Optional[CommPlan] = None) -> TpState:
     """Split ``model`` in place over the tensor-parallel ``group`` as ``plan`` says.
 
     Every rank must hold the same full weights before the call (broadcast them first). With
-    ``sequence_parallel`` and ``fp8_communication``, a region whose column-parallel linears
+    ``sequence_parallel`` and ``comm_plan.tp_activations.fp8`` (the plugin's
+    :class:`~fp8boost.parallel.comm.plan.CommPlan`; None: nothing in FP8), a region whose
+    column-parallel linears
     are all tensorwise e4m3 ``Fp8Linear`` all-gathers its input as FP8 bytes that feed those
     GEMMs directly (``fp8_gather.py``); why any other collective stays in the training dtype
     is logged once and kept in ``TpState.comm_report``.
@@ -196,9 +199,10 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
         hf = peft_base(model)  # a peft LoRA model: the HF model inside computes the loss
         state.vocab_start = _parallel_lm_head(hf[1] if hf else model, modules[plan.lm_head],
                                               group, sequence_parallel, n, r, done)
+    comm = comm_plan if comm_plan is not None else CommPlan()
     for name in plan.regions:
         layer = None
-        if fp8_communication and sequence_parallel:
+        if comm.tp_activations.fp8 and sequence_parallel:
             layer, why = _fp8_gather_consumer(name, plan, modules)
             if layer is None:
                 state.comm_report[f"{name}.gather"] = why
@@ -207,7 +211,7 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
                                 f"dtype: {why}")
             state.fp8_gathers += layer is not None
         _region_hooks(modules[name], group, sequence_parallel, layer)
-    if fp8_communication:
+    if comm.requested:  # what stays in the training dtype even with fp8_communication
         state.comm_report["exits_and_backward"] = HIGH_PRECISION_WHY
         _state.log_once(logger, ("tp-fp8-exit",), f"fp8boost: {HIGH_PRECISION_WHY}")
     if sequence_parallel and plan.layers and plan.split_sequence:

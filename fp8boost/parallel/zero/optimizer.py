@@ -9,7 +9,7 @@ Layout per data-parallel rank (``world`` ranks, see ``sharding.py``):
   (stage 1) or reduce-scattered (stage 2) into FP32 gradient chunks;
 * ``step()`` unscales (FP16), checks for overflow on every rank, clips by the global norm,
   steps the wrapped optimizer on the master chunks and all-gathers the updated chunks back into
-  the working parameters (in FP8 when ``fp8_communication``).
+  the working parameters (in FP8 where ``comm_plan`` says).
 
 The master-weight part (FP32 masters, loss scaling, overflow check, clipping, the fused AdamW
 step, the checkpoint protocol) is :class:`~.master.MasterWeightOptimizer`; this class adds the
@@ -21,15 +21,13 @@ it is then the plain mixed-precision "master weights" optimizer used by
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from fp8boost import _state
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy
-from fp8boost.parallel.comm.report import GRAD_REDUCE, CommReport
+from fp8boost.parallel.comm.plan import GRAD_RS_WHY, CommPlan
 
 from .buckets import Collectives, GradReducer, all_gather_params
 from .direct_gather import DirectGather
@@ -57,14 +55,14 @@ class ZeroOptimizer(MasterWeightOptimizer):
         max_norm: clip gradients to this global norm at every step (0 disables).
         cpu_offload: keep master chunks and optimizer state on the CPU; the step runs there.
         loss_scaler: a ``DynamicLossScaler`` for FP16 (None for BF16/FP32).
-        fp8_communication: all-gather ``fp8_params`` with FP8 payloads (and, with
-            ``fp8_reduce_scatter``, reduce gradients with FP8 payloads too).
-        fp8_reduce_scatter: with ``fp8_communication``, also reduce gradients as FP8 (e5m2,
-            per-chunk scales). Off by default: on NVLink it measured slower (the reason is
-            logged once and kept in ``comm_report``); turn it on for slow links.
-        comm_config: ``Fp8CommConfig`` passed to the FP8 collectives.
-        fp8_params: with ``fp8_communication``, the parameters all-gathered in FP8 (None: all).
-            The others are gathered in their own dtype.
+        comm_plan: the :class:`~fp8boost.parallel.comm.plan.CommPlan` (None: plain
+            collectives). ``param_all_gather.fp8``: all-gather ``fp8_params`` with FP8
+            payloads; ``grad_reduce.fp8``: reduce gradients with FP8 (e5m2, per-chunk scales)
+            payloads; ``config``: the ``Fp8CommConfig`` of the FP8 collectives. The plugins
+            build it once (``build_comm_plan``); this class decides nothing about FP8.
+        fp8_params: with ``comm_plan.param_all_gather.fp8``, the parameters all-gathered in
+            FP8 (None: all; the plugins pass ``comm_plan.fp8_gather_params(model)``). The
+            others are gathered in their own dtype.
         pp_group: pipeline group: the global gradient norm and the FP16 overflow check span
             its stages (each holds different parameters).
         pp_counted_elsewhere: parameters whose gradient another stage also holds and counts
@@ -92,8 +90,7 @@ class ZeroOptimizer(MasterWeightOptimizer):
                  master_weights: bool = True, overlap_communication: bool = True,
                  reduce_bucket_numel: int = 12 * 1024 * 1024, max_norm: float = 0.0,
                  cpu_offload: bool = False, loss_scaler: Optional[DynamicLossScaler] = None,
-                 fp8_communication: bool = False, comm_config=None,
-                 fp8_reduce_scatter: bool = False,
+                 comm_plan: Optional[CommPlan] = None,
                  fp8_params: Optional[Iterable[torch.Tensor]] = None, tp_group=None,
                  tp_replicated: Optional[Iterable[torch.Tensor]] = None, pp_group=None,
                  pp_counted_elsewhere: Optional[Iterable[torch.Tensor]] = None,
@@ -117,16 +114,18 @@ class ZeroOptimizer(MasterWeightOptimizer):
                          pp_counted_elsewhere=pp_counted_elsewhere,
                          fused_master_step=fused_master_step, shard_world_size=world,
                          shard_rank=rank)
-        if fp8_reduce_scatter and not fp8_communication:
-            raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")
-        self.comm_report = _comm_report(fp8_communication, fp8_reduce_scatter, self.dp_world)
-        self._comm = (Collectives(dp_group, fp8_communication, comm_config,
-                                  fp8_grads=fp8_reduce_scatter) if self.dp_world > 1 else None)
+        plan = CommPlan() if comm_plan is None else comm_plan
+        if not isinstance(plan, CommPlan):
+            raise TypeError(f"comm_plan must be a CommPlan or None, got {type(plan).__name__}")
+        self.comm_plan = plan
+        fp8_params_on, fp8_grads = plan.param_all_gather.fp8, plan.grad_reduce.fp8
+        self._comm = (Collectives(dp_group, fp8_params_on or fp8_grads, plan.config,
+                                  fp8_grads=fp8_grads) if self.dp_world > 1 else None)
         self._reducer = (GradReducer(self.params, self.shards, self.dp_world, max(stage, 1),
                                      reduce_bucket_numel, overlap_communication, self._comm,
                                      self.accumulate_grad) if self.dp_world > 1 else None)
         fp8_ids = None if fp8_params is None else {id(p) for p in fp8_params}
-        self.fp8_gather_mask = [fp8_communication and (fp8_ids is None or id(p) in fp8_ids)
+        self.fp8_gather_mask = [fp8_params_on and (fp8_ids is None or id(p) in fp8_ids)
                                 for p in self.params]
         fp8_wire = self._comm is not None and self._comm.fp8 and self.world > 1
         self.fp8_direct = DirectGather(self.params, [s.shape for s in self.shards],
@@ -271,22 +270,3 @@ class ZeroOptimizer(MasterWeightOptimizer):
         with the reason logged once.
         """
         self.fp8_direct.bind(model)
-
-
-# One line: it is printed in every comm report (the figures are in BENCHMARKS.md 4d: FP8
-# reduce-scatter with its casts 0.21-0.52x BF16 at 64-256 MB, ZeRO-2 44.6k vs 45.7k tok/s/GPU).
-GRAD_RS_WHY = ("gradients reduce in their own dtype: FP8 reduce-scatter measured slower on "
-               "NVLink (BENCHMARKS.md 4d); the plugin's fp8_reduce_scatter=True is for slow "
-               "links")
-
-
-def _comm_report(fp8_communication: bool, fp8_reduce_scatter: bool,
-                 dp_world: int) -> CommReport:
-    """What ZeRO puts on the wire in FP8, and why not where it does not (logged once)."""
-    report = CommReport(fp8_param_all_gather=fp8_communication and dp_world > 1,
-                        fp8_grad_reduce=fp8_reduce_scatter and dp_world > 1)
-    if fp8_communication and not fp8_reduce_scatter and dp_world > 1:
-        report.not_fp8(GRAD_REDUCE, GRAD_RS_WHY)
-        _state.log_once(logging.getLogger("fp8boost.parallel.zero"), "zero-grad-rs-high",
-                        f"fp8boost ZeRO: {GRAD_RS_WHY}")
-    return report
