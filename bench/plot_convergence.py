@@ -1,6 +1,6 @@
 """Loss curves of several training runs on one plot, and the final-validation-loss table.
 
-Reads the example's ``metrics.jsonl`` files (``bench/run_convergence_2gpu.sh`` writes them as
+Reads the example's ``metrics.jsonl`` files (``python bench/suite.py convergence-2gpu`` writes them as
 ``convergence_<plugin>_<run>.jsonl``), draws validation loss (markers) and smoothed train loss
 (thin lines) per run, and prints, per plugin, each run's final validation loss, its gap to the
 BF16 run of the same plugin, the tokens seen and whether any loss was non-finite. The issue-12

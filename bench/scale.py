@@ -28,7 +28,7 @@ splits its batch into ``--microbatches`` (default: one sequence each). A config 
 cannot run yet (``NotImplementedError``, e.g. pipeline parallelism before it lands) is
 recorded as ``not_available`` with the reason.
 
-Usage (see bench/run_8gpu.sh for the issue's parts)::
+Usage (``python bench/suite.py --list 8gpu`` lists the issue's parts)::
 
     python bench/scale.py --preset llama2-7b --nproc 8 --compile --configs zero2_bf16,zero2_fp8
     python bench/scale.py --merge a.json b.json --scale 7b --output all.json   # one table

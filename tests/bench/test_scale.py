@@ -1,4 +1,4 @@
-"""CPU tests of bench/scale.py (issue 15's 8-GPU matrix) and bench/run_8gpu.sh.
+"""CPU tests of bench/scale.py (issue 15's 8-GPU matrix) and its suite (bench/suite.py 8gpu).
 
 The matrix, the dp/tp/pp derivation and the presets' shapes are checked without a process
 group (meta-device models); one 2-rank gloo run takes tensor-parallel and pipeline configs
@@ -57,14 +57,15 @@ def test_matrix_layouts_for_2_and_8_gpus(scale):
 
 @pytest.mark.parametrize("part", ["smoke 2", "smoke 8", "7b", "13b", "35b", "NPROC=4 7b"])
 def test_run_8gpu_parts_pass_validation(scale, part, tmp_path):
-    """DRY=1 prints each part's commands; their arguments must pass scale.py's checks at the
-    world size each command launches (8, NPROC, or N for smoke N)."""
-    env = dict(os.environ, DRY="1", OUT=str(tmp_path))
+    """--dry-run prints each part's commands; their arguments must pass scale.py's checks at
+    the world size each command launches (8, NPROC, or N for smoke N)."""
+    env = dict(os.environ, OUT=str(tmp_path))
     if part.startswith("NPROC="):
         nproc, part = part.split(" ", 1)
         env["NPROC"] = nproc.split("=")[1]
-    out = subprocess.run(["bash", str(BENCH / "run_8gpu.sh"), *part.split()], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--dry-run", "8gpu",
+                          *part.split()], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     lines = [ln.split() for ln in out.stdout.splitlines() if "bench/scale.py" in ln]
     checked = []

@@ -178,7 +178,7 @@ def test_benchmarks_first_screen_is_for_a_user():
     first = "\n".join(text.splitlines()[:30])
     # What is faster, by how much, on which GPU, against which baselines, how to reproduce.
     for needed in ("H100", "H200", "BF16 compiled", "torchao", "compiled", "eager",
-                   "bash bench/run_single_gpu.sh table"):
+                   "python bench/suite.py single-gpu table"):
         assert needed in first, needed
     assert re.search(r"1\.\d\d×", first)
     assert "not faster" in first.lower() or "slower" in first.lower()  # the honest caveat

@@ -1,7 +1,7 @@
 """GPU: the block FP8 export loads through transformers' own FP8 support (FP8Linear, Triton
 block GEMMs) on CUDA, and its held-back loss is within 1% of the BF16 export's (issue 28).
 
-Run on the device machine: ``bash bench/run_hf_fp8_gpu.sh`` (after ``bash
+Run on the device machine: ``python bench/suite.py hf-fp8-gpu`` (after ``bash
 bench/hub_kernel_offline.sh`` here; carry=[".hubkernels"]), or all of them:
 ``pytest -q tests/export/test_export_gpu.py -s``.
 """
