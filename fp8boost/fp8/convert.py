@@ -23,6 +23,7 @@ from .linear_granular import granular_forward
 from .min_numel import min_numel_limit
 from .moe import experts_back, experts_decision, is_fp8_experts
 from .prequantized import Fp8WeightTensor, dequantize_weight
+from .record import Fp8Record, fp8_record, record_module
 from .scaling import Fp8Tensor
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -38,6 +39,9 @@ class ConversionReport:
     """Layers that were FP8 before this call (a second conversion, or a boosted model)."""
     experts: list[str] = field(default_factory=list)
     """Fused-expert modules of MoE models now running grouped FP8 GEMMs (``fp8.moe``)."""
+    record: Fp8Record = field(default_factory=Fp8Record)
+    """Every FP8 module of the model after this call (converted now or before), by name, with
+    its recipe: what downstream code reads (``fp8.record``; ``fp8_record(model)`` later)."""
 
     def __str__(self) -> str:
         lines = [f"fp8boost: converted {len(self.converted)} linear layer(s) and "
@@ -257,12 +261,14 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
     def make(mod: nn.Module, fqn: str) -> Optional[nn.Module]:
         if is_fp8_layer(mod) or is_fp8_experts(mod):
             report.already_fp8.append(fqn)
+            record_module(mod)  # built by hand or converted before: recorded now, once
             return None
         experts = experts_decision(mod, fqn, config, module_filter_fn)  # MoE fused experts
         if isinstance(experts, str):
             report.skipped[fqn] = experts
         elif experts is not None:
             report.experts.append(fqn)
+            record_module(experts)
             return experts
         conv1d = is_hf_conv1d(mod)
         if not (isinstance(mod, nn.Linear) or conv1d):
@@ -276,9 +282,12 @@ def convert_to_fp8(model: nn.Module, config: Optional[Fp8Config] = None,
             report.skipped[fqn] = reason
             return None
         report.converted.append(fqn)
-        return Fp8Conv1D.from_conv1d(mod, config) if conv1d else Fp8Linear.from_linear(mod, config)
+        new = Fp8Conv1D.from_conv1d(mod, config) if conv1d else Fp8Linear.from_linear(mod, config)
+        record_module(new)  # the decision, kept on the module: the engines read it (fp8.record)
+        return new
 
     _swap(model, make)
+    report.record = fp8_record(model)
     if not report.converted and not report.already_fp8 and not report.experts:
         _warn_nothing_converted(report, config)
     return report
@@ -334,8 +343,8 @@ def convert_from_fp8(model: nn.Module) -> int:
 def is_fp8_layer(module: nn.Module) -> bool:
     """Whether ``module`` runs its GEMMs in FP8 (an :class:`Fp8Linear` or FP8 GPT-2 ``Conv1D``).
 
-    The one question every other part of fp8boost asks about a layer: conversion decides once
-    (``convert_to_fp8``), everything downstream queries it here.
+    For users and ``fp8/`` itself: conversion decides once (``convert_to_fp8``) and records it;
+    code above ``fp8/`` reads that record (:func:`fp8boost.fp8.record.fp8_entry`).
 
     Example:
         >>> import torch

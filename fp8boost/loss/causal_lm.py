@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8.convert import is_fp8_layer
+from fp8boost.fp8.record import recorded_linear
 
 from .linear_cross_entropy import VocabParallel, chunked_linear_cross_entropy
 
@@ -347,7 +347,7 @@ def install_fused_lm_loss(model: nn.Module, setting: object = True, *,
             or not hasattr(type(hf), "loss_function"):
         return "not an HF causal LM"
     name = type(hf).__name__
-    if config is not None and is_fp8_layer(hf.lm_head):
+    if config is not None and recorded_linear(hf.lm_head):
         _state.warn_once(("fused-lm-loss-fp8-head", name),
                          f"fp8boost: {name}'s lm_head runs in FP8, so its loss is not fused with "
                          "it (the chunked linear + cross-entropy computes its GEMMs in the "

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8boost.fp8 import fp8_layers
+from fp8boost.fp8.record import fp8_entry, recorded_linears
 
 __all__ = ["reduce_delayed_amax"]
 
@@ -38,7 +38,7 @@ def reduce_delayed_amax(model: nn.Module, group=None) -> int:
     def reduce_max(a: torch.Tensor) -> None:
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
 
-    layers = [m for m in fp8_layers(model) if m.fp8_config.recipe == "delayed"]
+    layers = [m for m in recorded_linears(model) if fp8_entry(m).recipe == "delayed"]
     for m in layers:
         m.set_amax_reduce_fn(reduce_max)
     return len(layers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8.moe.experts import fp8_experts
+from fp8boost.fp8.record import recorded_experts_modules
 
 from .report import PARAM_ALL_GATHER
 
@@ -38,7 +38,7 @@ def report_expert_gather(report, where: str, model: nn.Module) -> int:
         >>> report_expert_gather(CommReport(), "GeminiPlugin", nn.Linear(2, 2))
         0
     """
-    n = len(fp8_experts(model))
+    n = len(recorded_experts_modules(model))
     if not n:
         return 0
     why = f"{n} {EXPERT_GATHER_WHY}"

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8 import fp8_layers
-from fp8boost.fp8.config import GRANULAR_RECIPES
+from fp8boost.fp8.record import fp8_entry, recorded_linears
 
 from fp8boost.parallel.fsdp.block_gather import block_gather_unfit
 
@@ -43,9 +42,15 @@ GRANULAR_GATHER_WHY = (
 
 
 def is_granular(module: Optional[nn.Module]) -> bool:
-    """Whether ``module`` is an Fp8Linear under a rowwise or blockwise recipe."""
-    cfg = getattr(module, "fp8_config", None)
-    return cfg is not None and cfg.recipe in GRANULAR_RECIPES
+    """Whether the conversion's record has ``module`` (an FP8 layer or experts) under a
+    rowwise or blockwise recipe.
+
+    Example:
+        >>> is_granular(nn.Linear(2, 2))
+        False
+    """
+    entry = fp8_entry(module)
+    return entry is not None and entry.granular
 
 
 def block_gathered(module: Optional[nn.Module], shard_ranks: Optional[int],
@@ -69,7 +74,8 @@ def split_fp8_gather_layers(layers: Iterable[nn.Module]) -> tuple[list, list]:
     """``(layers whose weights may travel in FP8, rowwise/blockwise layers)``."""
     keep, granular = [], []
     for layer in layers:
-        (granular if is_granular(layer) else keep).append(layer)
+        entry = fp8_entry(layer)
+        (granular if entry is not None and entry.granular else keep).append(layer)
     return keep, granular
 
 
@@ -84,10 +90,10 @@ def report_granular_gather(report: CommReport, where: str, model: nn.Module,
     training dtype, ``report.fp8_param_all_gather`` becomes False. ``rows_of(layer)``: the
     rows a tensor-parallel split still to come leaves it (None: its own; see ``block_gathered``).
     """
-    layers = fp8_layers(model)
+    layers = recorded_linears(model)
     rows_of = rows_of or (lambda m: None)
-    n_granular = sum(is_granular(m) and not block_gathered(m, shard_ranks, comm_config,
-                                                           rows_of(m))
+    n_granular = sum(fp8_entry(m).granular
+                     and not block_gathered(m, shard_ranks, comm_config, rows_of(m))
                      for m in layers)
     if not n_granular:
         return 0

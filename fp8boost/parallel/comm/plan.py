@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8 import is_fp8_layer
+from fp8boost.fp8.record import fp8_entry, fp8_record, recorded_linear
 from fp8boost.parallel.mesh import ParallelDims
 
 from .config import Fp8CommConfig
 from .expert_gather import report_expert_gather
-from .granular import block_gathered, is_granular, report_granular_gather
+from .granular import block_gathered, report_granular_gather
 from .report import GRAD_REDUCE, PARAM_ALL_GATHER, CommReport
 
 __all__ = ["CommRoute", "CommPlan", "build_comm_plan", "ENGINES", "PARAM_GATHER",
@@ -293,7 +293,7 @@ def _param_all_gather(model: nn.Module, fc: bool, cfg, dims: ParallelDims, engin
         return _ON, None
     # a blockwise weight's ZeRO chunks are cut from the rows the tensor-parallel split leaves
     rows = {id(m): m.weight.shape[0] // dims.tp for n, m in model.named_modules()
-            if dims.tp > 1 and n in tp_colwise and is_fp8_layer(m)}
+            if dims.tp > 1 and n in tp_colwise and recorded_linear(m)}
     modules = _selected(model, ranks, cfg, lambda m: rows.get(id(m)))
     scratch = CommReport()  # the helpers' reasons and warnings, in ZeRO's order
     report_granular_gather(scratch, where, model, ranks, cfg, lambda m: rows.get(id(m)))
@@ -328,7 +328,7 @@ def _route(fp8: bool, why: str) -> CommRoute:
 
 
 def _has_fp8_layers(model: nn.Module) -> bool:
-    return any(is_fp8_layer(m) for m in model.modules())
+    return bool(fp8_record(model).linears)
 
 
 def _selected(model: nn.Module, ranks: int, cfg, rows_of) -> list[str]:
@@ -337,9 +337,9 @@ def _selected(model: nn.Module, ranks: int, cfg, rows_of) -> list[str]:
     as FSDP2 wraps them)."""
     names, seen = [], set()
     for name, m in model.named_modules():
-        if not is_fp8_layer(m) or id(m.weight) in seen:
+        if not recorded_linear(m) or id(m.weight) in seen:
             continue
-        if is_granular(m) and not block_gathered(m, ranks, cfg, rows_of(m)):
+        if fp8_entry(m).granular and not block_gathered(m, ranks, cfg, rows_of(m)):
             continue
         seen.add(id(m.weight))
         names.append(name)

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8boost.fp8.moe import find_expert_spec, is_fp8_experts
+from fp8boost.fp8.moe import find_expert_spec
+from fp8boost.fp8.record import recorded_experts
 from fp8boost.parallel.comm.plan import CommPlan
 
 from .dispatch import combine, dispatch, plan_splits
@@ -35,7 +36,7 @@ from .dispatch import combine, dispatch, plan_splits
 
 def expert_spec_of(module: nn.Module):
     """The :class:`ExpertSpec` of an HF fused-expert module or an ``Fp8Experts``, else None."""
-    if is_fp8_experts(module):
+    if recorded_experts(module):
         return module.spec
     found = find_expert_spec(module)
     return found if not isinstance(found, str) else None
@@ -90,8 +91,9 @@ class EpExperts(nn.Module):
                 p = getattr(inner, name)
                 p.data = p.data[lo:lo + self.local].clone()
                 self.register_parameter(name, p)
-        hf = inner.hf_module if is_fp8_experts(inner) else inner
-        if is_fp8_experts(inner):
+        fp8_inner = recorded_experts(inner)
+        hf = inner.hf_module if fp8_inner else inner
+        if fp8_inner:
             inner.spec = replace(spec, num_experts=self.local)
         if hasattr(hf, "num_experts"):
             hf.num_experts = self.local

@@ -29,9 +29,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fp8boost.fp8 import is_fp8_layer
 from fp8boost.fp8.granular.quantize import quantize_operands
 from fp8boost.fp8.prequantized import Fp8WeightTensor
+from fp8boost.fp8.record import fp8_entry, recorded_linear
 
 __all__ = ["block_gather_unfit", "pre_all_gather_blocks", "post_all_gather_blocks"]
 
@@ -52,9 +52,10 @@ def block_gather_unfit(module: Optional[nn.Module], shard_ranks: Optional[int],
         rows: the weight's rows when sharded (None: ``module.weight``'s own). A communication
             plan decided before a tensor-parallel split passes the rows the split will leave.
     """
-    cfg = getattr(module, "fp8_config", None)
-    if not is_fp8_layer(module) or cfg.recipe != "blockwise":
+    entry = fp8_entry(module)
+    if not recorded_linear(module) or entry.recipe != "blockwise":
         return "the consumer is not a blockwise Fp8Linear"
+    cfg = module.fp8_config
     w = module.weight
     b = cfg.block_size
     if w.dim() != 2 or (shape is not None and tuple(shape) != tuple(w.shape)):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8 import is_fp8_layer
 from fp8boost.fp8.prequantized import Fp8WeightTensor
+from fp8boost.fp8.record import recorded_linear
 from fp8boost.fp8.scaling import scale_from_amax
 
 from ..comm.config import Fp8CommConfig
@@ -64,7 +64,7 @@ def choose_plan(config: Fp8CommConfig, tied: bool, module: Optional[nn.Module],
     if block_why is None:
         return GatherPlan(True, fp8cfg.fwd_dtype, fp8cfg.margin, fp8cfg.power_of_2_scale,
                           block=fp8cfg.block_size)
-    if not is_fp8_layer(module):
+    if not recorded_linear(module):
         why = f"its consumer is a {type(module).__name__}, not an Fp8Linear"
     elif fp8cfg.recipe == "blockwise":
         why = f"a block-scaled FP8 gather does not fit: {block_why}"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8 import fp8_layers
+from fp8boost.fp8.record import recorded_linears
 from fp8boost.hf_model import find_blocks
 
 logger = logging.getLogger("fp8boost.parallel.fsdp")
@@ -65,7 +65,7 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: Optional[torch.dtype],
                         "whole model is one fully_shard unit: every parameter is all-gathered at "
                         "once (no per-block overlap, peak memory = the full model in "
                         "param_dtype)")
-    for layer in fp8_layers(model):
+    for layer in recorded_linears(model):
         # A frozen weight's (LoRA base) cached FP8 cast would keep the whole unsharded weight
         # between steps: exactly the memory resharding after forward frees.
         layer.keep_frozen_cast = False

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8 import is_fp8_layer
 from fp8boost.fp8.config import GRANULAR_RECIPES
+from fp8boost.fp8.record import recorded_linear
 from fp8boost.fp8.scaling import E4M3
 from fp8boost.parallel.comm.plan import CommPlan
 
@@ -155,7 +155,7 @@ def _fp8_amax_groups(module: nn.Module, roles: tuple[str, ...], group) -> bool:
     """Tensorwise FP8 layers scale split operands from an amax over ``group``; rowwise layers
     reduce the per-row amaxes of the operands whose rows span the shards, blockwise layers
     nothing (shard-local tiles and blocks): ``fp8/linear_granular.py``."""
-    if not is_fp8_layer(module):
+    if not recorded_linear(module):
         return False
     module.set_amax_groups({role: group for role in roles})
     return True
@@ -226,7 +226,7 @@ def apply_tp(model: nn.Module, plan: TpPlan, group, *, sequence_parallel: bool =
 def _fp8_gather_consumer(region: str, plan: TpPlan, modules: dict):
     """(the Fp8Linear whose recipe casts the region's gathered input, None) or (None, why)."""
     consumers = [modules[n] for n in plan.colwise if n.startswith(region + ".")]
-    if not consumers or not all(is_fp8_layer(m) for m in consumers):
+    if not consumers or not all(recorded_linear(m) for m in consumers):
         return None, f"{region}'s column-parallel linears are not all Fp8Linear"
     cfgs = {(m.fp8_config.fwd_dtype, m.fp8_config.margin, m.fp8_config.power_of_2_scale,
              m.fp8_config.recipe, m.fp8_config.backend) for m in consumers}

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.fp8.convert import is_fp8_layer
 from fp8boost.fp8.linear import Fp8Linear
 from fp8boost.fp8.recompute import compiling
+from fp8boost.fp8.record import recorded_linear
 from fp8boost.fp8.scaling import amax, scale_from_amax
 
 from fp8boost.parallel.comm._utils import resolve_cast_impl
@@ -89,9 +89,9 @@ def _choose(config: Fp8CommConfig, mods: list[nn.Module], shape: torch.Size,
     why = None
     if not config.enabled:
         why = "Fp8CommConfig.enabled is False (parameters are not gathered in FP8)"
-    elif is_fp8_layer(layer) and layer.fp8_config.fwd_dtype != torch.float8_e4m3fn:
+    elif recorded_linear(layer) and layer.fp8_config.fwd_dtype != torch.float8_e4m3fn:
         why = f"the layer's forward FP8 format {layer.fp8_config.fwd_dtype} is not e4m3"
-    elif is_fp8_layer(layer) and layer.amax_group("weight") is not None:
+    elif recorded_linear(layer) and layer.amax_group("weight") is not None:
         why = "the weight is tensor-parallel: its scale comes from an amax over the tp group"
     if why is not None:
         return GatherPlan(False, config.param_dtype, 0, config.power_of_2_wire_scale, why)
@@ -133,7 +133,7 @@ def build_direct_plan(params: list[torch.Tensor], shapes: list[torch.Size], fp8_
             blocks.append(BlockWeight(i, mods[0], plan, shape[0] // world, shape[1]))
         elif plan.direct:
             weights.append(DirectWeight(i, mods[0], plan))
-        elif (bool(mods) and is_fp8_layer(mods[0])) or len(mods) > 1:
+        elif (bool(mods) and recorded_linear(mods[0])) or len(mods) > 1:
             # Only weights an Fp8Linear would have consumed are worth a word; biases and
             # plain modules' parameters are expected to take the regular FP8 gather.
             _state.log_once(logger, ("zero-fp8-ag-regular", plan.reason),
