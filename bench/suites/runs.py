@@ -34,10 +34,13 @@ def val_line(log: str) -> str:
     return found[-1][:150] if found else ""
 
 
-def conv_after(label: str, name: str, tmp: str, dest: str, tail: int = 0, cut: int = 0):
-    """``[label] name rc=N <last val line>``, the log's last lines, its metrics under $OUT."""
+def conv_after(label: str, name: str, tmp: str, dest: str, tail: int = 0, cut: int = 0,
+               val: bool = True):
+    """``[label] name rc=N <last val line>`` (``val``), the log's last lines, its metrics under
+    $OUT."""
     def after(ctx: Ctx, rc: int) -> None:
-        print(f"[{label}] {name} rc={rc} {val_line(tmp + '.log')}", flush=True)
+        line = f" {val_line(tmp + '.log')}" if val else ""
+        print(f"[{label}] {name} rc={rc}{line}", flush=True)
         if tail:
             print_tail(tmp + ".log", tail, cut)
         copy(f"{tmp}/metrics.jsonl", f"{ctx.out}/{dest}")
@@ -83,14 +86,12 @@ def convergence_2gpu(ctx: Ctx) -> list[Step]:
         raise SuiteError(f"convergence-2gpu: bad plugin {plugin!r}")
     steps = []
     for name, flags in CONV_2GPU_RUNS.get(plugin, CONV_2GPU_RUNS[""]):
-        def after(ctx: Ctx, rc: int, name: str = name) -> None:
-            print(f"[conv] {plugin} {name} rc={rc}", flush=True)
-            print_tail(f"/tmp/conv_{name}.log", 2)
-            copy(f"/tmp/conv_{name}/metrics.jsonl", f"{ctx.out}/convergence_{plugin}_{name}.jsonl")
         steps.append(Step(
             f"torchrun --standalone --nproc_per_node=2 {CONV} --batch-size 3 --log-every 50 "
             f"--plugin {plugin} --out-dir /tmp/conv_{name} {flags}", timeout="{RUN_TIMEOUT}",
-            log=f"/tmp/conv_{name}.log", show=False, after=after,
+            log=f"/tmp/conv_{name}.log", show=False,
+            after=conv_after("conv", f"{plugin} {name}", f"/tmp/conv_{name}",
+                             f"convergence_{plugin}_{name}.jsonl", tail=2, val=False),
             note=f"tail -2 the log; cp /tmp/conv_{name}/metrics.jsonl "
                  f"{{OUT}}/convergence_{plugin}_{name}.jsonl"))
     return steps

@@ -14,20 +14,19 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.bench.helpers import on_bench_path
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
 def bench_mods():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with on_bench_path():
         import _moe_cell
         import _moe_profile
         import moe_step
         yield SimpleNamespace(cell=_moe_cell, profile=_moe_profile, step=moe_step)
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def _ev(name, parent=None, shapes=None):

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.helpers import on_bench_path
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
 def scale():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with on_bench_path():
         import scale as mod
         yield mod
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_matrix_layouts_for_2_and_8_gpus(scale):

@@ -16,20 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench.helpers import on_bench_path
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
 def sg():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with on_bench_path():
         import single_gpu as mod
         import train
         mod.train = train  # the test's handle on bench/train.py (single_gpu never imports it)
         yield mod
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_shapes_modes_and_command_lines(sg, capsys):

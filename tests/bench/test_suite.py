@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.helpers import on_bench_path
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 FORMER = ("2gpu 8gpu colossal_gpu comm_2gpu convergence_1gpu convergence_2gpu "
@@ -28,14 +30,11 @@ REPO_PATH = re.compile(r"^(bench|tests|examples)/[\w/.-]+$")
 
 @pytest.fixture(scope="module")
 def suites():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with on_bench_path():
         import suites as mod
         import suites.core
         import suites.runner
         yield mod
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def suite_cli(*args: str, **env: str) -> subprocess.CompletedProcess:

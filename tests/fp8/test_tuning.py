@@ -207,8 +207,6 @@ def test_time_ms_uses_short_do_bench(monkeypatch):
 def test_a_tuning_run_that_tunes_another_cache_finishes(timer):
     """Nested tuning (the experts' precision choice times FP8 experts whose first call tunes
     the cast kernels) must not deadlock on the module lock: this hung on the GPU."""
-    import threading
-
     inner = tuning.ConfigCache("inner")
     outer = tuning.ConfigCache("outer")
 
@@ -216,13 +214,8 @@ def test_a_tuning_run_that_tunes_another_cache_finishes(timer):
         inner.pick(KEY, [C, A], timer.run)  # tunes on the first outer candidate
         timer.run(cfg)
 
-    result = []
-    worker = threading.Thread(target=lambda: result.append(outer.pick(KEY, [A, B], outer_run)),
-                              daemon=True)
-    worker.start()
-    worker.join(timeout=20)
-    assert not worker.is_alive(), "nested ConfigCache.pick deadlocked"
-    assert result == [B] and inner.best[KEY] == C
+    assert _pick_in_thread(outer, outer_run, timeout=20) == B, "nested ConfigCache.pick deadlocked"
+    assert inner.best[KEY] == C
 
 
 def test_a_tuning_run_whose_inner_tuning_runs_on_another_thread_finishes(timer):
@@ -241,10 +234,19 @@ def test_a_tuning_run_whose_inner_tuning_runs_on_another_thread_finishes(timer):
         assert not t.is_alive(), "the inner pick waited for the outer one's lock"
         timer.run(cfg)
 
+    assert _pick_in_thread(outer, outer_run, timeout=30) == B, \
+        "ConfigCache.pick deadlocked across threads"
+    assert inner.best[KEY] == C
+
+
+def _pick_in_thread(cache, run, timeout: float):
+    """``cache.pick(KEY, [A, B], run)`` on a daemon thread: its result, or None if it has not
+    returned after ``timeout`` seconds (a deadlock; the thread is left behind)."""
+    import threading
+
     result = []
-    worker = threading.Thread(target=lambda: result.append(outer.pick(KEY, [A, B], outer_run)),
+    worker = threading.Thread(target=lambda: result.append(cache.pick(KEY, [A, B], run)),
                               daemon=True)
     worker.start()
-    worker.join(timeout=30)
-    assert not worker.is_alive(), "ConfigCache.pick deadlocked across threads"
-    assert result == [B] and inner.best[KEY] == C
+    worker.join(timeout=timeout)
+    return None if worker.is_alive() else result[0]
