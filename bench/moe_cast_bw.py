@@ -7,7 +7,8 @@ grouped GEMMs of one training step need, cast by the fused Triton kernels
 * token operands ``x`` / ``dy`` with their transposed per-(expert, column) copies, in one call,
   by the tiled kernels (no offsets) and the segmented ones (the routing's offsets, what
   training runs);
-* expert weights: the rows operand (forward) and ``W^T`` (input gradient).
+* expert weights: the rows operand (forward) and ``W^T`` (input gradient: the column-maxima
+  pass, then the transposed cast, :mod:`fp8boost.fp8.kernels.moe_weight_cast`).
 
 Bytes are the floor: the input read once (BF16) and each FP8 layout written once (+ scales);
 GB/s = bytes / median time. ``--peak-gbps`` (default: the GPU's HBM peak, :data:`PEAK_GBPS`
@@ -58,7 +59,7 @@ def cells(name, e, k, h, i, t):
         for tr, label in ((False, "rows"), (True, "^T")):
             ms = bench(lambda: Q.quantize_experts(w, so, transpose=tr, backend=GPU))
             nbytes = w.numel() * 3 + e * (k_in if tr else n_out) * 4
-            out.append(dict(shape=name, operand=f"{what} {label}", kernels="segmented" if tr
+            out.append(dict(shape=name, operand=f"{what} {label}", kernels="colmax+cast" if tr
                             else "rows", ms=ms, gbytes=nbytes / 1e9))
         del w
     return out
@@ -93,10 +94,11 @@ def main() -> None:
         print(f"{r['shape']:>14} {r['operand']:>18} {r['kernels']:>10} {r['ms']:7.3f} "
               f"{r['gbps']:6.0f} {100 * r['fraction_of_peak']:6.1f}")
     # The tile configs each size class timed (next tuning lists keep the winners).
-    from fp8boost.fp8.kernels import granular_cast, moe_seg_cast
+    from fp8boost.fp8.kernels import granular_cast, moe_seg_cast, moe_weight_cast
 
     tuned = {f"{cache.name} {key}": [(list(cfg), round(ms, 4)) for cfg, ms in t]
-             for cache in (moe_seg_cast._CACHE, granular_cast._ROWS_CACHE)
+             for cache in (moe_seg_cast._CACHE, granular_cast._ROWS_CACHE,
+                           moe_weight_cast._COLMAX_CACHE, moe_weight_cast._T_CACHE)
              for key, t in cache.timings.items()}
     for k, t in tuned.items():
         print(f"tuned {k}: " + ", ".join(f"{cfg} {ms:.3f}" for cfg, ms in t))

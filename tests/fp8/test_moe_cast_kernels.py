@@ -179,6 +179,31 @@ class TestInterpreter:
         assert rq[0].float().isnan().sum() == 40 and rq[0][2, 47].float().isnan().all()
         assert cq[0].float().isnan().sum() == 48 and cq[0][2, 38].float().isnan().all()
 
+    @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32, torch.float16])
+    def test_weight_transposed_column_maxima_then_one_pass_bit_exact(self, mc, xdtype):
+        # W^T alone (dgrad's operand): the column-maxima pass, then the tiled transposed cast;
+        # the reference's bytes and scales. N, K: partial tiles both ways; N = 200: the rows
+        # split into several slices whose maxima meet by atomic max.
+        from fp8boost.fp8.kernels import moe_weight_cast as mwc
+
+        w2 = expert_weights(2, 200, 24, xdtype, seed=4, nan=False)
+        assert_same(mwc.colmax(w2), w2.abs().amax(dim=1).float(), "colmax, many slices")
+        w = expert_weights(3, 44, 40, xdtype)
+        for dtype, margin, p2 in SCALINGS:
+            so = Q.ScaleOptions(dtype, dtype, margin, p2)
+            kw = dict(margin=margin, power_of_2=p2)
+            what = f"{xdtype} {dtype} margin={margin} p2={p2}"
+            for x in (w, w2):
+                rq, (data_t, inv_t) = mc.quantize_experts(x, dtype, rows=False, cols=True, **kw)
+                ref_t = Q.quantize_experts(x, so, transpose=True)
+                assert rq is None
+                assert_same(data_t, ref_t[0], f"transposed {what}")
+                assert_same(inv_t, ref_t[1], f"transposed inv {what}")
+        # The NaN poisons its (e, k) column.
+        data_t, inv_t = mwc.transposed(w, E4M3)
+        assert inv_t[2, 38].isnan() and data_t[2, 38].float().isnan().all()
+        assert data_t.float().isnan().sum() == 44
+
     def test_quantize_dispatch_takes_the_kernels(self, mc):
         # The interpreter lets CPU tensors through fused_kernels: the public functions under
         # the GPU backend run the kernels and give the reference's bytes.

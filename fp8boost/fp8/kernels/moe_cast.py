@@ -13,8 +13,10 @@ tokens ``[rows, K]``, per row       1      ``granular_cast``'s rowwise rows kern
                                            per row block, sweeping K twice (the second sweep
                                            re-reads the block from L2)
 experts ``[E, N, K]``, per (e, n)   1      the same kernel on the ``[E*N, K]`` view
-experts ``W^T [E, K, N]``, (e, k)   2      :mod:`.moe_seg_cast`: one program per (expert, column
-                                           block) looping down the expert's N rows
+experts ``W^T [E, K, N]``, (e, k)   2      alone: :mod:`.moe_weight_cast` (column maxima, then
+                                           a tiled transposed cast); with the rows operand:
+                                           :mod:`.moe_seg_cast`, one program per (expert,
+                                           column block) looping down the expert's N rows
 groups ``x^T [C, rows]``, (e, c)    2      with the routing's ``offsets``: :mod:`.moe_seg_cast`;
                                            without: the tiled two passes below
 ``+ rows`` operand of the same x    2      both operands from the same two passes
@@ -48,6 +50,7 @@ from .cast import tl_scale_from_amax
 from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES,
                             amax_pass_tile, fp8_bytes, needs_int64, tile_offsets)
 from .granular_cast import quantize_operands as granular_operands
+from . import moe_weight_cast
 from .moe_seg_cast import two_pass as seg_two_pass
 from .moe_seg_cast import two_pass_buffers
 from .tuning import interpreting
@@ -248,6 +251,8 @@ def quantize_experts(w: torch.Tensor, dtype: torch.dtype, *, rows: bool = True,
             return None, None
         data, inv = quantize_rows(w2, dtype, **kw)
         return (data.view(e, n, k), inv.view(e, n)), None
+    if not rows and w.is_contiguous():  # W^T alone (dgrad): column maxima, then one cast pass
+        return None, moe_weight_cast.transposed(w, dtype, **kw)
     rq, data_t, inv_t = seg_two_pass(w2, None, None, e, n, (e, k, n), k * n, n, dtype, rows,
                                      **kw)
     if rq is not None:

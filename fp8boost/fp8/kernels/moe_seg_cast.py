@@ -9,7 +9,8 @@ sync), the rows past ``offsets[E-1]`` are a tail segment of no expert; the exper
 segment (or of a slice of it, ``SPLIT`` slices when segments are few) and loops down its rows:
 
 * pass 1 keeps the column maxima of ``|x|`` (bit patterns) in registers across the loop and
-  writes them with one integer atomic max per column and slice (the old tiled pass made one
+  writes them with one integer atomic max per column and slice (relaxed: only the values
+  matter, and the next kernel sees them all) (the old tiled pass made one
   per 64-row tile: hundreds of atomics on each (expert, column) of a Mixtral ``W^T``), plus,
   with ``ROWS``, each row's partial maximum (one atomic per row and column block);
 * pass 2 computes the segment's column scales once, then casts every tile with that one scale
@@ -99,10 +100,11 @@ def _seg_amax_kernel(x_ptr, grp_ptr, off_ptr, ramax_ptr, camax_ptr, R, C, stride
                                       stride_c, GROUPED, IDX64, BLOCK_R)
         bits = abs_bits(x)
         if ROWS:
-            tl.atomic_max(ramax_ptr + offs_r, tl.max(bits, axis=1), mask=in_r)
+            tl.atomic_max(ramax_ptr + offs_r, tl.max(bits, axis=1), mask=in_r, sem="relaxed")
         acc = tl.maximum(acc, tl.where(mine[:, None], bits, 0))
     if s < E:
-        tl.atomic_max(camax_ptr + s * C + offs_c, tl.max(acc, axis=0), mask=in_c)
+        tl.atomic_max(camax_ptr + s * C + offs_c, tl.max(acc, axis=0), mask=in_c,
+                      sem="relaxed")
 
 
 @triton.jit
