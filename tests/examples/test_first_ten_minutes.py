@@ -424,3 +424,53 @@ def test_coverage_line_and_plot_title_say_what_they_count(tmp_path, monkeypatch)
                             lambda src, dst, title: seen.setdefault("t", title))
         run_log._plot(tmp_path, args)
     assert seen["t"] == "llama tiny, one process, bf16 + FP8 GEMMs"
+
+
+_NCCL_STUCK_RANK = """if True:
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {examples!r})
+    import interrupts
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    x = torch.ones(1, device="cuda")
+    dist.all_reduce(x)
+    assert x.item() == 2.0  # the group works before the peer dies
+    if rank == 1:
+        print("rank 1: dying", flush=True)
+        os._exit(3)  # a crash: torchrun then sends SIGTERM to rank 0
+    print(f"rank 0: waiting at {{time.time():.3f}}", flush=True)
+    with interrupts.deferred_stop(grace_s={grace}, rank=rank):
+        while True:  # rank 0 waits in a collective whose peer is gone
+            dist.all_reduce(x)
+            x.item()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.multigpu
+def test_a_rank_stuck_in_an_nccl_collective_is_ended_by_the_watchdog(tmp_path):
+    """The NCCL side of the watchdog (device machine, 2 GPUs): rank 1 dies, rank 0 sits in an
+    NCCL all-reduce (its host thread blocked in the CUDA sync of ``.item()``, where no Python
+    handler runs) and torchrun sends it SIGTERM. The watchdog ends rank 0 ``grace`` seconds
+    later with its one line, instead of torchrun's SIGKILL 30 s later (or NCCL's 10-minute
+    timeout)."""
+    grace = 3.0
+    script = tmp_path / "stuck_rank.py"
+    script.write_text(_NCCL_STUCK_RANK.format(examples=str(ROOT / "examples"), grace=grace))
+    env = dict(_env(), NCCL_NVLS_ENABLE="0", CUDA_VISIBLE_DEVICES=os.environ.get(
+        "CUDA_VISIBLE_DEVICES", "0,1"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script)], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=180)
+    ended, out = time.time(), proc.stdout
+    assert proc.returncode != 0 and "rank 1: dying" in out, out[-4000:]
+    assert (f"[train] rank 0: SIGTERM received, but the step did not end within {grace:g} s"
+            in out), out[-4000:]
+    assert "not reached" not in out, out[-4000:]
+    # From rank 0's wait to torchrun's exit: grace + torchrun noticing rank 1 (its monitor
+    # polls every few seconds at most); torchrun's own SIGKILL would come 30 s after SIGTERM.
+    waited = float(out.split("rank 0: waiting at ")[1].split()[0])
+    assert ended - waited < grace + 20, (ended - waited, out[-4000:])
