@@ -111,19 +111,24 @@ MOE_FLAGS = {"fp8": F8, "fp8gwhp": F8 + " --fp8-recipe rowwise_with_gw_hp"}
 
 def convergence_moe(ctx: Ctx) -> list[Step]:
     """A 125M-class Mixtral, each decoder block compiled; fp8gwhp keeps weight gradients BF16."""
+    seed = ctx.values["SEED"]
+    if not seed.isdigit():
+        raise SuiteError(f"convergence-moe: SEED must be a non-negative integer, got {seed!r}")
+    suffix = "" if seed == "0" else f"_seed{seed}"  # seed 0 keeps the first runs' file names
     steps = []
     for name in run_names(ctx, "runs"):
         flags = MOE_FLAGS.get(name, "")
+        tmp = f"/tmp/convmoe_{name}{suffix}"
         steps.append(Step(
             "torchrun --standalone --nproc_per_node=1 examples/train_llama.py --model mixtral "
             "--preset 125m --data {DATA} --steps {STEPS} --batch-size 6 --seq-len 512 --lr 6e-4 "
             "--eval-every 100 --eval-batches 16 --log-every 100 --no-progress --compile "
-            f"{flags} --out-dir /tmp/convmoe_{name}", timeout="{RUN_TIMEOUT}",
-            log=f"/tmp/convmoe_{name}.log", show=False,
-            after=conv_after("conv-moe", name, f"/tmp/convmoe_{name}",
-                             f"convergence_moe_1gpu_{name}.jsonl", tail=3, cut=300),
-            note=f"tail -3 the log; cp /tmp/convmoe_{name}/metrics.jsonl "
-                 f"{{OUT}}/convergence_moe_1gpu_{name}.jsonl"))
+            f"--seed {seed}{flags and ' ' + flags} --out-dir {tmp}", timeout="{RUN_TIMEOUT}",
+            log=f"{tmp}.log", show=False,
+            after=conv_after("conv-moe", name + suffix, tmp,
+                             f"convergence_moe_1gpu_{name}{suffix}.jsonl", tail=3, cut=300),
+            note=f"tail -3 the log; cp {tmp}/metrics.jsonl "
+                 f"{{OUT}}/convergence_moe_1gpu_{name}{suffix}.jsonl"))
     return steps
 
 
@@ -131,9 +136,9 @@ CONVERGENCE_MOE = Suite(
     "convergence-moe", "run_convergence_moe_1gpu.sh",
     "2000-step loss curves of FP8 experts on one GPU (125M-class Mixtral, compiled; carry .data)",
     gpus="1", time="~4-9 min/run", build=convergence_moe,
-    knobs={**CONV_KNOBS, "RUN_TIMEOUT": "280"}, args=(("runs", "bf16,fp8"),),
+    knobs={**CONV_KNOBS, "RUN_TIMEOUT": "280", "SEED": "0"}, args=(("runs", "bf16,fp8"),),
     usage="runs: bf16 | fp8 | fp8gwhp (rowwise_with_gw_hp); JSONL per run -> "
-          "$OUT/convergence_moe_1gpu_<run>.jsonl")
+          "$OUT/convergence_moe_1gpu_<run>.jsonl (<run>_seed<SEED> for SEED other than 0)")
 
 # FP8 runs convert every layer, experts included (FP8=--use-fp8 keeps the default size filter).
 MOE4_RUNS = {"fsdp_bf16": "--plugin fsdp", "ep4_bf16": "--plugin moe --ep 4",
