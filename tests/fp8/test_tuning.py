@@ -70,6 +70,17 @@ def test_first_pick_tunes_and_writes_file(timer, caplog):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
 
 
+def test_a_handicap_ranks_by_scaled_times_and_keeps_the_measured_ones(timer):
+    # C (2.0 ms) beats A (3.0) untouched; with C's time counted 1.6x (3.2), A wins, and the
+    # stored decision is the handicapped one; a 1.4x handicap (2.8) leaves C ahead.
+    cache = tuning.ConfigCache("gemm")
+    assert cache.pick(KEY, [A, C], timer.run, handicap={C: 1.6}) == A
+    assert cache.timings[KEY] == [(A, 3.0), (C, 2.0)]
+    assert json.loads(_file().read_text())["entries"][repr(KEY)]["fields"] == [64, 4, False]
+    key2 = KEY[:-2] + (True, 0)
+    assert tuning.ConfigCache("gemm").pick(key2, [A, C], timer.run, handicap={C: 1.4}) == C
+
+
 def test_new_process_loads_without_timing(timer, caplog):
     tuning.ConfigCache("gemm").pick(KEY, [A, B, C], timer.run)
     timer.calls, timer.launched = 0, []

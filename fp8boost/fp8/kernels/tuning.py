@@ -196,14 +196,16 @@ class ConfigCache:
         self._disk.clear()
 
     def pick(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None],
-             bench: bool = True) -> Any:
+             bench: bool = True, handicap: Optional[dict] = None) -> Any:
         """Return the cached best config for ``key``, timing ``run(cfg)`` for each candidate once.
 
         A decision stored on disk by an earlier process is reused if it is among
         ``candidates``. Candidates that fail to compile or launch (e.g. too much shared memory
         on a smaller GPU) are skipped; if all fail, the last error is raised. With
         ``bench=False`` (interpreter, or a single candidate) the first candidate is taken
-        untimed and the disk is not touched.
+        untimed and the disk is not touched. ``handicap``: a factor per candidate that its
+        time is multiplied by when ranking (``{"fp8": 1.05}``: it must be 5% faster to win);
+        :attr:`timings` keeps the measured times.
         """
         best = self.best.get(key)
         if best is not None:
@@ -227,7 +229,7 @@ class ConfigCache:
             return candidates[0]
         # Timed without the lock (see _LOCK). Two threads tuning one key both time it; the
         # first to finish decides, so every caller gets one decision.
-        best = self._tune(key, candidates, run)
+        best = self._tune(key, candidates, run, handicap or {})
         with _LOCK:
             if key in self.best:
                 return self.best[key]
@@ -270,7 +272,8 @@ class ConfigCache:
                      f"fp8boost: cannot write the autotune cache {path} ({exc}); tuning "
                      "decisions stay in memory", level=logging.INFO)
 
-    def _tune(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None]) -> Any:
+    def _tune(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None],
+              handicap: dict) -> Any:
         results: list[tuple[Any, float]] = []
         last_exc: Exception | None = None
         for cfg in candidates:
@@ -285,7 +288,7 @@ class ConfigCache:
             raise RuntimeError(f"fp8boost {self.name}: no kernel config ran for {key}"
                                ) from last_exc
         self.timings[key] = results
-        best, ms = min(results, key=lambda r: r[1])
+        best, ms = min(results, key=lambda r: r[1] * handicap.get(r[0], 1.0))
         # Visible, never silent: which kernel won this shape (e.g. cuBLAS for promoted GEMMs).
         _LOG.info("fp8boost %s: %s tuned now for %s (%.3f ms of %d candidates)", self.name, best,
                   key, ms, len(results))
