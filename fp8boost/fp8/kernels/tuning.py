@@ -34,7 +34,7 @@ import re
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 
@@ -196,7 +196,7 @@ class ConfigCache:
         self._disk.clear()
 
     def pick(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None],
-             bench: bool = True, handicap: Optional[dict] = None) -> Any:
+             bench: bool = True, handicap: Optional[Mapping[Any, float]] = None) -> Any:
         """Return the cached best config for ``key``, timing ``run(cfg)`` for each candidate once.
 
         A decision stored on disk by an earlier process is reused if it is among
@@ -273,7 +273,7 @@ class ConfigCache:
                      "decisions stay in memory", level=logging.INFO)
 
     def _tune(self, key: Hashable, candidates: Sequence[Any], run: Callable[[Any], None],
-              handicap: dict) -> Any:
+              handicap: Mapping[Any, float]) -> Any:
         results: list[tuple[Any, float]] = []
         last_exc: Exception | None = None
         for cfg in candidates:

@@ -26,6 +26,7 @@ Off the GPU backend (CPU, ``emulated``) nothing is timed: ``fp8`` unless ``exper
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -43,7 +44,7 @@ TOKENS = 8192
 """Tokens of the timed forward + backward (a micro-batch of 2 x 4096 or 4 x 2048)."""
 
 PRECISIONS = ("fp8", "fp8_wgrad_hp", "bf16")
-HANDICAP = {"fp8": 1.05}
+HANDICAP = MappingProxyType({"fp8": 1.05})
 """All-FP8 must time 5% faster than the others to be chosen. On an H200 the module timing put
 it 1.4% ahead of the BF16 weight gradient at Mixtral-8x7B's shape (33.3 against 33.8 ms),
 while in the compiled training step the BF16 weight gradient was the faster (1.044-1.058x BF16
