@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fp8boost.plugins.checkpoint_io import complete_checkpoints as _complete
-from fp8boost.plugins import checkpoint_io as cio
-from fp8boost.plugins.checkpoint_io.checksums import recorded_checksums
+from fp8boost import checkpoint_io as cio
+from fp8boost.checkpoint_io import complete_checkpoints as _complete
+from fp8boost.checkpoint_io.checksums import recorded_checksums
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"

@@ -116,7 +116,7 @@ def fp8_coverage(model: nn.Module) -> dict[str, int]:
     """
     from fp8boost.fp8 import is_fp8_layer
     from fp8boost.fp8.moe import is_fp8_experts
-    from fp8boost.plugins.moe_dispatch import EpExperts, expert_spec_of
+    from fp8boost.parallel.ep import EpExperts, expert_spec_of
 
     from transformers.pytorch_utils import Conv1D
 

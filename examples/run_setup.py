@@ -122,7 +122,7 @@ def restore(args: argparse.Namespace, booster: Any, model: Any, optimizer: Any,
     With ``--resume auto`` a checkpoint that fails verification (a truncated or altered file:
     the error is the same on every rank) is skipped for the next older one, with a message.
     """
-    from fp8boost.plugins.checkpoint_io import CheckpointCorruptError
+    from fp8boost.checkpoint_io import CheckpointCorruptError
 
     candidates = resume_candidates(args)
     for i, ckpt in enumerate(candidates):

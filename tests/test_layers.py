@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1] / "fp8boost"
 # Upper layers first; a module may import its own layer and the layers after it. Modules
 # directly under fp8boost/ (_state, hf_model, compile, ...) and fp8boost/data are shared
 # utilities any layer may use; they are checked for cycles only.
-LAYERS = ("colossal", "booster", "export", "plugins", "parallel", "loss", "fp8")
+LAYERS = ("colossal", "booster", "export", "plugins", "checkpoint_io", "parallel", "loss",
+          "fp8")
 RANK = {name: len(LAYERS) - i for i, name in enumerate(LAYERS)}
 
 
@@ -150,7 +151,9 @@ def test_the_checker_sees_what_it_must():
     assert "fp8boost.fp8.config" in graph["fp8boost.plugins.precision"]
     assert "fp8boost.fp8.record" in graph["fp8boost.parallel.comm.expert_gather"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert RANK["plugins"] > RANK["parallel"] > RANK["fp8"]
+    assert "fp8boost.checkpoint_io.moe" in graph["fp8boost.plugins.moe_hybrid_parallel_plugin"]
+    assert "fp8boost.parallel.ep" in graph["fp8boost.checkpoint_io.moe"]
+    assert RANK["plugins"] > RANK["checkpoint_io"] > RANK["parallel"] > RANK["fp8"]
 
 
 def _unexplained_function_imports(source: str) -> list[tuple[int, str]]:

@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.checkpoint_io.single_file import is_file_target, load_model_file, save_model_file
 from fp8boost.export.layouts import make_spec
 from fp8boost.export.save import save_fp8_model
 from fp8boost.hf_model import disable_kv_cache
 from fp8boost.parallel.nonfinite import NonFiniteGuard
-from fp8boost.plugins.checkpoint_io.single_file import (is_file_target, load_model_file,
-                                                        save_model_file)
 from fp8boost.plugins.local_plugin import LocalPlugin
 from fp8boost.plugins.plugin_base import Plugin
 

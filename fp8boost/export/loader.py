@@ -7,7 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from ..plugins.checkpoint_io import hf_sharded as hf
+from ..checkpoint_io import hf_sharded as hf
 from .quantize import dequantize_weight, is_conv1d
 
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")

@@ -8,9 +8,9 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
-from ..plugins.checkpoint_io import coordination as coord
-from ..plugins.checkpoint_io.atomic import atomic_save_dir
-from ..plugins.checkpoint_io.formats import MODEL_INDEX, MODEL_SINGLE
+from ..checkpoint_io import coordination as coord
+from ..checkpoint_io.atomic import atomic_save_dir
+from ..checkpoint_io.formats import MODEL_INDEX, MODEL_SINGLE
 from . import writer
 from .calibrate import observe
 from .layouts import ExportSpec

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from ..plugins.checkpoint_io import hf_sharded as hf
-from ..plugins.checkpoint_io.formats import MODEL_INDEX
+from ..checkpoint_io import hf_sharded as hf
+from ..checkpoint_io.formats import MODEL_INDEX
 from .calibrate import to_scale
 from .layouts import ExportSpec, quantization_config
 from .quantize import QuantTarget, group_amaxes, quantize_weight, weight_amax

@@ -15,7 +15,8 @@ module adds what differs for expert parallelism:
   ``pp_style="zbv"`` (``ValueError``: its split weight-gradient pass fails through the expert
   dispatch);
 * ``moe_dp_outside=False`` is accepted: it moves the pipeline axis outside the moe-dp axis
-  (``moe_grads``), so with ``pp_size=1`` its rank layout is ``moe_dp_outside=True``'s;
+  (``ParallelDims``' ``moe_dp_outside``), so with ``pp_size=1`` its rank layout is
+  ``moe_dp_outside=True``'s;
 * ``overlap_communication=True`` logs once: gradients are reduced after the backward
   (Colossal-AI turns it off for MoE as well, because unrouted experts would hang it);
 * the pipeline options (``num_microbatches`` ...) are ignored at ``pp_size=1`` with one INFO

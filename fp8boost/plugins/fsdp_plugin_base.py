@@ -11,14 +11,14 @@ from typing import ContextManager
 import torch
 from torch import nn
 
+from fp8boost.checkpoint_io.dcp import DTensorCheckpointIO
+from fp8boost.checkpoint_io.pretrained import load_remembered
 from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.plan import FP8_RS_REASON
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8_reduce_scatter
 from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
 
-from .checkpoint_io.dcp import DTensorCheckpointIO
-from .checkpoint_io.pretrained import load_remembered
 from .colossal_args_fsdp import apply_param_init_fn
 from .delayed_amax import reduce_delayed_amax
 from .distributed import broadcast_module

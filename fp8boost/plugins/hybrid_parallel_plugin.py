@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
+from fp8boost.checkpoint_io.hybrid import HybridCheckpointIO
 from fp8boost.fp8.moe.detect import router_aux_loss_on
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.tp import TpPlan, apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .checkpoint_io.hybrid import HybridCheckpointIO
 from .hybrid_sp import (SP_MODES, apply_ulysses_to, check_sp_args, replica_groups,  # noqa: F401
                         validate_ulysses, zero_group)
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8boost.checkpoint_io.moe import MoeCheckpointIO
 from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert_split,
                                   counted_elsewhere, expert_params, full_expert_weights,
                                   reduce_moe_gradients, register_ep_hooks, shard_experts)
@@ -41,7 +42,6 @@ from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .checkpoint_io.moe import MoeCheckpointIO
 from .colossal_args import loss_scale_args, make_scaler
 from .colossal_args_moe import check_moe_layout, moe_args
 from .distributed import broadcast_module
@@ -113,7 +113,7 @@ class MoeHybridParallelPlugin(Plugin):
         **options: the shared plugin options (``max_norm``: the global norm over every
             expert of every rank, every stage, tp shards, and the replicated parameters once).
 
-    Checkpoints (:mod:`~fp8boost.plugins.checkpoint_io.moe`): ``save_model`` writes the HF
+    Checkpoints (:mod:`~fp8boost.checkpoint_io.moe`): ``save_model`` writes the HF
     layout with every expert (all-gathered over ep) and every tp shard (gathered over tp);
     ``load_model`` reads such a file (or ``save_pretrained``'s) at any ep and tp size.
     Optimizer state (``save_optimizer``, in ``save_checkpoint``: one directory per ep rank and

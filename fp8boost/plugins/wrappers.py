@@ -7,7 +7,7 @@ the master weights of the optimizers boosted with it.
 
 ``OptimizerWrapper`` is the thin wrapper used where no master weights are needed (FP32
 training): it adds ``backward``, ``clip_grad_norm_``, optional clipping in ``step`` and the
-checkpoint protocol that ``ZeroOptimizer`` also implements (see ``plugins/checkpoint_io/formats.py``).
+checkpoint protocol that ``ZeroOptimizer`` also implements (see ``checkpoint_io/formats.py``).
 """
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ class OptimizerWrapper(DirectOptimizerProxy):
         self.forget_guard_verdict()
         self.optim.zero_grad(set_to_none=set_to_none)
 
-    # checkpoint protocol (see plugins/checkpoint_io/formats.py): one replica holds everything
+    # checkpoint protocol (see checkpoint_io/formats.py): one replica holds everything
     shard_world_size = 1
     shard_rank = 0
 

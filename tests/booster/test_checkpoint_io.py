@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp8boost.booster import Booster
-from fp8boost.plugins.checkpoint_io import tensor_files as cio
+from fp8boost.checkpoint_io import tensor_files as cio
 from tests.plugins import helpers as H
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -146,7 +146,7 @@ def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
         import os, sys, torch
         sys.path.insert(0, {REPO!r})
         from fp8boost.booster import Booster
-        from fp8boost.plugins.checkpoint_io import tensor_files as cio
+        from fp8boost.checkpoint_io import tensor_files as cio
         from tests.plugins.helpers import make_mlp
         booster = Booster(device="cpu")
         model = make_mlp()

@@ -85,8 +85,8 @@ def test_get_checkpoint_io_is_colossal_class_and_round_trips(group, tmp_path, mo
     from fp8boost.colossal.booster import plugin as plugins
     from fp8boost.colossal.checkpoint_io import (GeneralCheckpointIO, HybridParallelCheckpointIO,
                                                  MoECheckpointIO)
-    from fp8boost.plugins.checkpoint_io import HybridCheckpointIO
-    from fp8boost.plugins.checkpoint_io.moe import MoeCheckpointIO as NativeMoe
+    from fp8boost.checkpoint_io import HybridCheckpointIO
+    from fp8boost.checkpoint_io.moe import MoeCheckpointIO as NativeMoe
 
     plugin = (plugins.MoeHybridParallelPlugin(ep_size=1, zero_stage=1, precision="fp32") if moe
               else plugins.HybridParallelPlugin(tp_size=1, zero_stage=1, precision="fp32"))
@@ -191,7 +191,7 @@ def test_checkpoint_io_for_picks_the_class_by_plugin():
     from fp8boost.colossal.booster import plugin as colossal_plugins
     from fp8boost.colossal.checkpoint_io import (GeneralCheckpointIO, HybridParallelCheckpointIO,
                                                  MoECheckpointIO, checkpoint_io_for)
-    from fp8boost.plugins.checkpoint_io import HybridCheckpointIO
+    from fp8boost.checkpoint_io import HybridCheckpointIO
 
     # fp8boost's own plugin classes (no Colossal-AI get_checkpoint_io) get the same classes
     assert type(checkpoint_io_for(plugins.HybridParallelPlugin(tp_size=1))) \

@@ -199,7 +199,7 @@ def test_full_disk_during_the_examples_save_keeps_the_previous_checkpoint(ex, tm
                                                                           monkeypatch):
     import errno
 
-    from fp8boost.plugins.checkpoint_io import CheckpointSaveError
+    from fp8boost.checkpoint_io import CheckpointSaveError
 
     real_save = torch.save
 
@@ -274,8 +274,8 @@ def test_tensorboard_missing_gives_a_clear_error(ex, monkeypatch):
 
 
 def test_latest_checkpoint_skips_incomplete(tmp_path):
-    from fp8boost.plugins.checkpoint_io import latest_checkpoint
-    from fp8boost.plugins.checkpoint_io.base import STATE_MARKER
+    from fp8boost.checkpoint_io import latest_checkpoint
+    from fp8boost.checkpoint_io.base import STATE_MARKER
 
     assert latest_checkpoint(tmp_path / "none") is None
     for name, complete in (("ckpt-9", True), ("ckpt-10", True), ("ckpt-11", False),

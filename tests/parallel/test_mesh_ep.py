@@ -9,10 +9,13 @@ coordinate.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
 
+from fp8boost.parallel import ep as ep_package
+from fp8boost.parallel.comm import granular
 from fp8boost.parallel.mesh import ParallelDims
 from tests.dist_utils import run_distributed
 
@@ -137,14 +140,19 @@ def test_ep_groups_on_4_gloo_ranks():
     assert all(run_distributed(_groups_worker, 4))
 
 
-def test_old_import_paths_still_work():
-    """``plugins/moe_dispatch.py`` and ``plugins/moe_grads.py`` re-export the moved names."""
-    from fp8boost.parallel import ep
-    from fp8boost.plugins import moe_dispatch, moe_grads
-
+def test_old_plugin_paths_are_gone():
+    """Expert parallelism and the granular-gather decision live below the plugins (issue 38):
+    the re-export modules ``plugins/moe_dispatch.py``, ``plugins/moe_grads.py`` and
+    ``plugins/granular_comm.py`` are gone, and every name they carried is defined in
+    ``parallel/`` (``MoeDims`` is ``ParallelDims`` with ``ep`` / ``moe_dp_outside``)."""
+    for old in ("moe_dispatch", "moe_grads", "granular_comm"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"fp8boost.plugins.{old}")
     for name in ("AllToAll", "EpExperts", "expert_params", "expert_spec_of", "find_experts",
-                 "fp8_rows_a2a", "gathered_experts", "shard_experts", "whole_experts"):
-        assert getattr(moe_dispatch, name) is getattr(ep, name)
-    for name in ("Stage0Optimizer", "average_over_ep", "reduce_moe_gradients"):
-        assert getattr(moe_grads, name) is getattr(ep, name)
-    assert moe_grads.MoeDims is ParallelDims
+                 "fp8_rows_a2a", "gathered_experts", "shard_experts", "whole_experts",
+                 "Stage0Optimizer", "average_over_ep", "reduce_moe_gradients"):
+        assert getattr(ep_package, name).__module__.startswith("fp8boost.parallel.ep."), name
+    for name in ("block_gathered", "is_granular", "ranks_of", "split_fp8_gather_layers",
+                 "report_granular_gather"):
+        assert getattr(granular, name).__module__ == "fp8boost.parallel.comm.granular", name
+    assert isinstance(granular.GRANULAR_GATHER_WHY, str)

@@ -117,7 +117,7 @@ def two_rank_checkpoints(rank, world, root):
 def _failed_save_keeps_previous(rank, world, root):
     """A save that raises midway (rank 1's optimizer shard; rank 0's 2nd model shard)."""
     from fp8boost.booster import Booster
-    from fp8boost.plugins.checkpoint_io import tensor_files as cio
+    from fp8boost.checkpoint_io import tensor_files as cio
     booster = Booster(plugin=_plugin("zero2", "bf16", False))
     model, opt, sched = _boost(booster, seed=2)  # different weights than the saved checkpoint
     _steps(booster, model, opt, sched, rank, world, 1, 0)

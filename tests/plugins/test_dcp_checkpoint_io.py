@@ -56,7 +56,7 @@ class _Wrapped:
 
 
 def _io():
-    from fp8boost.plugins.checkpoint_io.dcp import DTensorCheckpointIO
+    from fp8boost.checkpoint_io.dcp import DTensorCheckpointIO
     return DTensorCheckpointIO(_Plugin())
 
 
@@ -241,7 +241,7 @@ def _atomic_and_errors(rank, world, root, model, opt, ref) -> None:
     """A save that fails midway keeps the previous checkpoint; bad paths give clear errors."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from fp8boost.plugins.checkpoint_io import hf_sharded
+    from fp8boost.checkpoint_io import hf_sharded
 
     io, p = _io(), lambda name: os.path.join(root, name)
     write = hf_sharded._StreamedFile.write
@@ -433,7 +433,7 @@ def test_plain_module_every_dtype_and_errors(tmp_path):
 
 
 def _error_messages(io, module, path, tmp_path) -> None:
-    from fp8boost.plugins.checkpoint_io import formats as cio
+    from fp8boost.checkpoint_io import formats as cio
 
     with pytest.raises(FileNotFoundError, match="no model checkpoint at .*model.safetensors"):
         io.load_model(module, str(tmp_path / "nowhere"))

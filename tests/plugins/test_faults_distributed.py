@@ -78,7 +78,7 @@ def _step(booster, model, opt, step: int, rank: int, dp_rank: int, dp: int, pois
 @contextlib.contextmanager
 def _disk_full(root: str, budget: int):
     """Writes below ``root`` fail with ENOSPC once ``budget`` bytes were written (this rank)."""
-    from fp8boost.plugins.checkpoint_io import tensor_files as cio
+    from fp8boost.checkpoint_io import tensor_files as cio
 
     left = [budget]
     real_open, real_io_open, real_save_file = open, io.open, cio.save_file
@@ -126,8 +126,8 @@ def _disk_full(root: str, budget: int):
 def _corrupt_and_load(rank: int, directory: str, load, label: str) -> None:
     """Truncate, then bit-flip a file of ``directory``: ``load()`` must fail on every rank
     naming it; each file is restored afterwards."""
-    from fp8boost.plugins.checkpoint_io import CheckpointCorruptError
-    from fp8boost.plugins.checkpoint_io import checksums as cio
+    from fp8boost.checkpoint_io import CheckpointCorruptError
+    from fp8boost.checkpoint_io import checksums as cio
 
     sums = cio.recorded_checksums(directory)
     assert sums, f"{label}: no checksums recorded in {directory}"
@@ -160,7 +160,7 @@ def _unverified_shard_error(booster, opt, rank: int, path: str) -> None:
     Without checksums (older checkpoints) every rank must still get the error naming it."""
     import json
 
-    from fp8boost.plugins.checkpoint_io import formats as cio
+    from fp8boost.checkpoint_io import formats as cio
 
     booster.save_optimizer(opt, path)
     shard = os.path.join(path, "optimizer-rank00001-of-00002.safetensors")
@@ -178,7 +178,7 @@ def _unverified_shard_error(booster, opt, rank: int, path: str) -> None:
 def _faults(rank: int, world: int, root: str) -> dict:
     from fp8boost.booster import Booster
     from fp8boost.parallel.nonfinite import NonFiniteError, NonFiniteGuard, NonFiniteStepWarning
-    from fp8boost.plugins.checkpoint_io import CheckpointSaveError
+    from fp8boost.checkpoint_io import CheckpointSaveError
 
     from fp8boost import _state
 

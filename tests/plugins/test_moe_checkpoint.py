@@ -54,7 +54,7 @@ def _train(rank: int, world: int, booster, model, opt, sched, steps: range) -> l
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
-    from fp8boost.plugins.moe_dispatch import EpExperts
+    from fp8boost.parallel.ep import EpExperts
     out = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
     for name, m in model.unwrap().named_modules():
         if isinstance(m, EpExperts):
@@ -138,8 +138,8 @@ def _load_elsewhere(rank: int, world: int, root: str, saved: list[dict], ep: int
 
 def _failed_save_keeps_old(rank: int, world: int, root: str) -> None:
     """A save failing on rank 1 raises on every rank; the previous checkpoint still loads."""
-    from fp8boost.plugins.checkpoint_io import CheckpointSaveError
-    from fp8boost.plugins.checkpoint_io import moe as moe_io
+    from fp8boost.checkpoint_io import CheckpointSaveError
+    from fp8boost.checkpoint_io import moe as moe_io
     booster, model, opt, sched = _boost(2, 0)
     path = os.path.join(root, "optim")
     before = sorted(os.listdir(path))

@@ -93,7 +93,7 @@ def boosted(rank, world, ep, family, precision, fp8, no_high, save_dir=None, max
     from fp8boost.fp8 import Fp8Config
     from fp8boost.plugins import MoeHybridParallelPlugin
     from fp8boost.fp8.moe import is_fp8_experts
-    from fp8boost.plugins.moe_dispatch import EpExperts
+    from fp8boost.parallel.ep import EpExperts
     cfg = Fp8Config(recipe="rowwise", backend="emulated", min_numel=0)
     plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=ep, precision=precision,
                                      use_fp8=fp8, fp8_communication=fp8, max_norm=max_norm,
@@ -155,7 +155,7 @@ def _load_at(ep: int, save_dir: str, trained: dict) -> None:
     """A fresh model boosted at ``ep`` loads the checkpoint: every weight as trained."""
     from fp8boost.booster import Booster
     from fp8boost.plugins import MoeHybridParallelPlugin
-    from fp8boost.plugins.moe_dispatch import EpExperts
+    from fp8boost.parallel.ep import EpExperts
     booster = Booster(plugin=MoeHybridParallelPlugin(ep_size=ep, precision="fp32"))
     model, *_ = booster.boost(tiny("mixtral"))
     booster.load_model(model, save_dir)
@@ -182,7 +182,7 @@ CASES = {  # world -> the cases its ranks run (CASE's fields overridden); the fi
 def _fp8_dispatch(rank: int, world: int) -> None:
     """FP8 dispatch rows: one scale per row (a row of tiny values keeps its precision next to
     a row of large ones), the rows a rank keeps are exact, uneven splits (one empty)."""
-    from fp8boost.plugins.moe_dispatch import AllToAll
+    from fp8boost.parallel.ep import AllToAll
     g = torch.Generator().manual_seed(rank)
     send = [3, 0] if rank == 0 else [2, 4]
     recv = [3, 2] if rank == 0 else [0, 4]

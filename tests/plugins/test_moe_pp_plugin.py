@@ -1,16 +1,15 @@
 """MoeHybridParallelPlugin with pipeline parallelism on gloo: pp2 x ep2 (4 ranks) vs one process.
 
-Layout (Colossal-AI's, ``fp8boost/plugins/moe_grads.py``): with 4 ranks moe-dp is 1, so
-ranks (0, 1) hold stage 0 (embedding and decoder layer 0) and (2, 3) stage 1 (layer 1, norm,
-LM head); (0, 1) and (2, 3) are the ep groups (each MoE layer's 4 experts split 2 + 2), (0, 2)
-and (1, 3) the pipelines (dp replicas 0 and 1). Each replica trains on its half of a global
-batch of 4 rows (1F1B, 2 micro-batches of 1 row) with ``booster.execute_pipeline``; the
-reference is ``test_moe_plugin``'s tiny MoE model trained on the whole batch in one process
-(3 SGD steps, lr 0.5). The trained model is compared through its export (``save_model`` at
-pp2 x ep2: stages and experts gathered), which a fresh model boosted at pp1 x ep1 loads
-bit-exactly, and one boosted at pp2 x ep2 loads and exports again bit-exactly. The
-interleaved schedule (a 4-layer variant, 2 chunks per rank) is compared by its FP32 losses;
-saving the optimizer under pp must refuse.
+Layout (Colossal-AI's, ``ParallelDims`` in ``fp8boost/parallel/mesh.py``): with 4 ranks moe-dp is
+1, so ranks (0, 1) hold stage 0 (embedding and decoder layer 0) and (2, 3) stage 1 (layer 1, norm,
+LM head); (0, 1) and (2, 3) are the ep groups (each MoE layer's 4 experts split 2 + 2), (0, 2) and
+(1, 3) the pipelines (dp replicas 0 and 1). Each replica trains on its half of a global batch of 4
+rows (1F1B, 2 micro-batches of 1 row) with ``booster.execute_pipeline``; the reference is
+``test_moe_plugin``'s tiny MoE model trained on the whole batch in one process (3 SGD steps, lr
+0.5). The trained model is compared through its export (``save_model`` at pp2 x ep2: stages and
+experts gathered), which a fresh model boosted at pp1 x ep1 loads bit-exactly, and one boosted at
+pp2 x ep2 loads and exports again bit-exactly. The interleaved schedule (a 4-layer variant, 2
+chunks per rank) is compared by its FP32 losses; saving the optimizer under pp must refuse.
 
 Tolerances (measured values in ``MEASURED``, printed with -s; loss: max relative difference
 over the steps; weights as ``test_moe_tp_plugin``: FP32 absolute, FP8 relative to the
@@ -70,7 +69,7 @@ def _plugin(fp8: bool, zero: int, extra: dict, pp: int = PP, ep: int = EP):
 
 def _check_layout(plugin, raw, rank: int) -> None:
     """Stage and expert placement of ``rank`` (module docstring)."""
-    from fp8boost.plugins.moe_dispatch import EpExperts
+    from fp8boost.parallel.ep import EpExperts
     stage = rank // 2
     sm = plugin.stage_manager
     assert (sm.stage, sm.is_first_stage(), sm.is_last_stage()) == (stage, stage == 0, stage == 1)
@@ -258,15 +257,14 @@ def _colossal_rank(c: dict, pp: int, ep: int, tp: int, moe_dp: int, outside: boo
 @pytest.mark.parametrize("outside", [True, False])
 @pytest.mark.parametrize("pp,ep,tp,world", [(2, 2, 1, 8), (2, 2, 2, 16), (1, 2, 2, 8)])
 def test_rank_layout_is_colossal_ais(outside, pp, ep, tp, world) -> None:
-    """``MoeDims.coords`` inverts Colossal-AI's mesh (both ``moe_dp_outside``); dp index =
-    moe-dp x ep + ep; at pp=1 it is ``ParallelDims``' layout; the stage manager's pipeline
-    ranks follow it (no process group needed)."""
+    """``ParallelDims.coords`` with ``ep`` inverts Colossal-AI's mesh (both
+    ``moe_dp_outside``); dp index = moe-dp x ep + ep; at pp=1 it is the dense layout; the stage
+    manager's pipeline ranks follow it (no process group needed)."""
     from fp8boost.parallel.mesh import ParallelDims
     from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
-    from fp8boost.plugins.moe_grads import MoeDims
     moe_dp = world // (pp * ep * tp)
-    dims = MoeDims(dp=moe_dp * ep, pp=pp, tp=tp, world_size=world, ep=ep,
-                   moe_dp_outside=outside)
+    dims = ParallelDims(dp=moe_dp * ep, pp=pp, tp=tp, world_size=world, ep=ep,
+                        moe_dp_outside=outside)
     plain = ParallelDims(dp=moe_dp * ep, pp=1, tp=tp, world_size=world) if pp == 1 else None
     for r in range(world):
         c = dims.coords(r)

@@ -1,10 +1,10 @@
 """MoeHybridParallelPlugin with tensor parallelism on gloo: ep2 x tp2 (4 ranks) against one process.
 
-Layout (``fp8boost/plugins/moe_grads.py``): ranks (0, 1) and (2, 3) are the tp groups (dp
-replicas 0 and 1), (0, 2) and (1, 3) the ep groups; attention, embedding and LM head are split
-over tp, each MoE block is whole on both tp ranks and its experts split over ep. Each dp replica
-trains on its half of a global batch (both tp ranks read the same half); the reference is the
-same tiny transformers MoE model (``test_moe_plugin.tiny``: hidden 64, 4 experts, top-2, 2
+Layout (``ParallelDims`` in ``fp8boost/parallel/mesh.py``): ranks (0, 1) and (2, 3) are the tp
+groups (dp replicas 0 and 1), (0, 2) and (1, 3) the ep groups; attention, embedding and LM head are
+split over tp, each MoE block is whole on both tp ranks and its experts split over ep. Each dp
+replica trains on its half of a global batch (both tp ranks read the same half); the reference is
+the same tiny transformers MoE model (``test_moe_plugin.tiny``: hidden 64, 4 experts, top-2, 2
 layers) trained on the whole batch in one process (3 SGD steps, lr 0.5).
 
 The trained model is compared through its export: ``save_model`` at ep2 x tp2 (experts
@@ -80,7 +80,7 @@ def _plugin(precision: str, fp8: bool, zero: int, extra: dict, tp: int = TP, ep:
 def train(rank: int, world: int, case: str, save_dir: str) -> list[float]:
     """Train ``case`` at ep2 x tp2, save the model; the losses (global batch means)."""
     from fp8boost.booster import Booster
-    from fp8boost.plugins.moe_dispatch import EpExperts
+    from fp8boost.parallel.ep import EpExperts
     family, precision, fp8, zero, extra = CASES[case]
     plugin = _plugin(precision, fp8, zero, extra)
     booster = Booster(plugin=plugin)
@@ -161,8 +161,8 @@ def resume(rank: int, world: int, root: str) -> dict:
 def reload(rank: int, world: int, save_dir: str, tp: int, ep: int) -> dict:
     """A fresh model boosted at (tp, ep) loads ``save_dir``; its full weights."""
     from fp8boost.booster import Booster
-    from fp8boost.plugins.moe_dispatch import gathered_experts, EpExperts
-    from fp8boost.plugins.checkpoint_io.hybrid_tp import TpLayout
+    from fp8boost.parallel.ep import gathered_experts, EpExperts
+    from fp8boost.checkpoint_io.hybrid_tp import TpLayout
     plugin = _plugin("fp32", False, 0, {}, tp=tp, ep=ep)
     booster = Booster(plugin=plugin)
     model, *_ = booster.boost(tiny("mixtral"))

@@ -1,5 +1,5 @@
 """``colossalai.checkpoint_io``: Colossal-AI's checkpoint IO classes with Colossal-AI's
-signatures, over fp8boost's checkpoint IO (``fp8boost.plugins.checkpoint_io``).
+signatures, over fp8boost's checkpoint IO (``fp8boost.checkpoint_io``).
 
 ``GeneralCheckpointIO()`` saves and loads plain torch models, optimizers and schedulers in one
 process, as Colossal-AI's does; ``GeneralCheckpointIO(plugin=...)`` does the same for what that
@@ -15,7 +15,7 @@ Example:
     >>> io = GeneralCheckpointIO()
 """
 from fp8boost import plugins as _plugins
-from fp8boost.plugins.checkpoint_io import CheckpointIO
+from fp8boost.checkpoint_io import CheckpointIO
 
 from .general_checkpoint_io import GeneralCheckpointIO
 from .hybrid_parallel_checkpoint_io import HybridParallelCheckpointIO

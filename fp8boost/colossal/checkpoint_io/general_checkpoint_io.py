@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from fp8boost.booster import Booster
+from fp8boost.checkpoint_io import coordination as coord
+from fp8boost.checkpoint_io.single_file import is_file_target
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy, ShardedCheckpointState
 from fp8boost.plugins import Plugin, wrappers
-from fp8boost.plugins.checkpoint_io import coordination as coord
-from fp8boost.plugins.checkpoint_io.single_file import is_file_target
 
 __all__ = ["GeneralCheckpointIO"]
 
@@ -94,7 +94,12 @@ class GeneralCheckpointIO:
         """Load what :meth:`save_optimizer` wrote (a file: ``load_state_dict`` of it)."""
         path = os.fspath(checkpoint)
         if os.path.isfile(path):
-            optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            # a file object, not the path: newer torch (2.13) reads any path named
+            # *.safetensors as safetensors, and save_optimizer writes torch.save's format
+            # whatever the name (Colossal-AI's use_async tests name it .safetensors)
+            with open(path, "rb") as f:
+                state = torch.load(f, map_location="cpu", weights_only=True)
+            optimizer.load_state_dict(state)
             return
         self.booster.load_optimizer(_boosted(optimizer), path, low_cpu_mem_mode, num_threads)
 

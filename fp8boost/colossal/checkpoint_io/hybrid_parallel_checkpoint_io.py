@@ -5,7 +5,7 @@ Colossal-AI's method names and signatures (``save_model(model, checkpoint, shard
 gather_dtensor, prefix, size_per_shard, use_safetensors, use_async)``, ``load_model``,
 ``save_optimizer`` / ``load_optimizer``, ``save_lr_scheduler`` / ``load_lr_scheduler``,
 ``_sync_d2h`` / ``_sync_io``) over the plugin's own fp8boost checkpoint IO (``native``:
-:class:`fp8boost.plugins.checkpoint_io.HybridCheckpointIO`, HF exports gathered over tp and pp,
+:class:`fp8boost.checkpoint_io.HybridCheckpointIO`, HF exports gathered over tp and pp,
 re-shardable optimizer state). The formats are that IO's:
 
 * ``save_model``: one safetensors file with ``shard=False`` and a file name, else an HF folder

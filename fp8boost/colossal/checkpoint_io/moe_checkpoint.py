@@ -3,7 +3,7 @@
 What ``MoeHybridParallelPlugin.get_checkpoint_io()`` (and ``booster.checkpoint_io``) returns:
 :class:`~.hybrid_parallel_checkpoint_io.HybridParallelCheckpointIO`'s Colossal-AI signatures
 over the MoE plugin's own fp8boost checkpoint IO (``native``:
-:class:`fp8boost.plugins.checkpoint_io.moe.MoeCheckpointIO`): model files hold every expert
+:class:`fp8boost.checkpoint_io.moe.MoeCheckpointIO`): model files hold every expert
 (gathered over ep; they load at any ep size), optimizer directories hold each ep rank's state in
 the re-shardable format (they load at any ep and dp size).
 """

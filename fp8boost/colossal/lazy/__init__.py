@@ -28,7 +28,7 @@ config) without reading a weight, and notes the checkpoint folder and each tenso
 the model. The weights are read when the model is materialized, right after its
 initialisation: in ``build_model`` for the replica plugins (each rank reads every tensor), by
 the FSDP plugins after ``fully_shard`` (each rank reads only the slices of its own shards), and
-by :meth:`LazyInitContext.materialize` (see ``fp8boost.plugins.checkpoint_io.pretrained``). Each
+by :meth:`LazyInitContext.materialize` (see ``fp8boost.checkpoint_io.pretrained``). Each
 tensor is rounded through the dtype ``from_pretrained`` built it in, so the boosted parameters
 equal those of eager ``from_pretrained`` followed by ``boost``, bit for bit. Safetensors
 checkpoints only (a local folder or one the Hub cache holds); ``device_map``,
@@ -207,9 +207,9 @@ def _patch_from_pretrained():
 def _lazy_from_pretrained(original, cls, path, *args, **kwargs):
     """``from_pretrained`` on the meta device: transformers builds the model as it would
     (``device_map="meta"`` reads no weight), and the checkpoint folder is noted on it for
-    :func:`fp8boost.plugins.checkpoint_io.pretrained.load_remembered`."""
+    :func:`fp8boost.checkpoint_io.pretrained.load_remembered`."""
     # lazy: fp8boost.plugins loads every plugin (Triton, torch.compile); this module stays light
-    from fp8boost.plugins.checkpoint_io.pretrained import remember
+    from fp8boost.checkpoint_io.pretrained import remember
 
     refused = [k for k in REFUSED_PRETRAINED_ARGS if kwargs.get(k) is not None]
     if refused:

@@ -12,8 +12,8 @@ travels in the training dtype: the communication plan
 (:func:`~fp8boost.parallel.comm.plan.build_comm_plan`) warns once and records why
 (``plugin.comm_report.why_not['param_all_gather']``).
 
-(Moved from ``plugins/granular_comm.py``, which re-exports it: the plan, below the plugins,
-makes this decision.)
+(It sits below the plugins, beside the plan that makes this decision; it used to be
+``plugins/granular_comm.py``.)
 """
 from __future__ import annotations
 

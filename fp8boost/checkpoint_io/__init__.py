@@ -1,4 +1,9 @@
-"""Checkpoint IO owned by the plugins: ``Plugin.get_checkpoint_io()`` returns one of these.
+"""Checkpoint IO: ``Plugin.get_checkpoint_io()`` returns one of these.
+
+A layer between ``parallel/`` and ``plugins/`` (DESIGN.md "Layers"): it uses the FP8 core and
+the parallel engines (``parallel/ep``, the optimizers' checkpoint protocol) and knows a plugin
+only through the object it is handed (its groups, topology and options), never by import; the
+plugins, the Booster and ``export/`` build on it.
 
 ``formats``  the on-disk formats shared by every plugin (HF-layout safetensors models, the
              re-shardable optimizer format): file names and index keys;

@@ -1,4 +1,4 @@
-"""``report_granular_gather`` (plugins/granular_comm.py) on one process: what it counts and
+"""``report_granular_gather`` (parallel/comm/granular.py) on one process: what it counts and
 records in a ``CommReport``."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from torch import nn
 
 from fp8boost.fp8 import Fp8Config, Fp8Linear
 from fp8boost.parallel.comm.report import PARAM_ALL_GATHER, CommReport
-from fp8boost.plugins.granular_comm import report_granular_gather
+from fp8boost.parallel.comm.granular import report_granular_gather
 
 
 def _layer(recipe: str, rows: int) -> Fp8Linear:
@@ -38,7 +38,7 @@ def test_block_gather_needs_the_layers_wire_format():
     import torch
 
     from fp8boost.parallel.comm.config import Fp8CommConfig
-    from fp8boost.plugins.granular_comm import block_gathered
+    from fp8boost.parallel.comm.granular import block_gathered
     block = _layer("blockwise", 256)
     e5m2 = Fp8CommConfig(param_dtype=torch.float8_e5m2)
     assert block_gathered(block, 2) and block_gathered(block, 2, Fp8CommConfig())

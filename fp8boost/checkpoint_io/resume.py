@@ -8,7 +8,7 @@ save that died (hidden temp directories, ``*.partial`` folders, directories with
 marker) are skipped.
 
 Example:
-    >>> from fp8boost.plugins.checkpoint_io import latest_checkpoint
+    >>> from fp8boost.checkpoint_io import latest_checkpoint
     >>> path = latest_checkpoint("runs/a/checkpoints")                  # doctest: +SKIP
     >>> if path is not None:                                            # doctest: +SKIP
     ...     extra = booster.load_checkpoint(path, model, optimizer, sched)
