@@ -11,7 +11,8 @@ live where the defaults look overrides a hook:
 * ``clip_grad_value_`` — the default clamps each parameter's own ``.grad``; the master-weight
   optimizers clamp their FP32 gradient chunks, the FSDP one unscales fp16 gradients first;
 * ``get_param_grad`` — ZeRO-2 keeps only a chunk of each gradient and gathers it;
-* ``state_dict`` / ``load_state_dict`` — ZeRO gathers its sharded state into full-size tensors.
+* ``state_dict`` / ``load_state_dict`` — ZeRO and FSDP gather their sharded state into plain
+  full-size tensors (and cut it back on load).
 
 The gradient norm that ``get_grad_norm`` reports is the one clipping measured last
 (``record_grad_norm``, called by every ``clip_grad_norm_``): measuring it on every step would
@@ -104,7 +105,7 @@ class OptimizerSurface:
 
         Loading it back with :meth:`load_state_dict` into the same configuration resumes
         bit-exactly. Where the state is sharded over ranks, the wrapper overrides this
-        (ZeRO: tensors gathered to full parameter shapes, a collective).
+        (ZeRO, FSDP: tensors gathered to full parameter shapes, a collective).
         """
         out = self.optim.state_dict()
         if self.loss_scaler is not None:

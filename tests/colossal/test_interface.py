@@ -274,9 +274,13 @@ def test_general_checkpoint_io_round_trips_plain_torch_objects(tmp_path):
     ckpt.save_model(model, str(tmp_path / "sharded"), True, True, "", 10, use_safetensors=True)
     ckpt.save_optimizer(opt, str(tmp_path / "optim.pt"))  # one torch.save file
     ckpt.save_optimizer(opt, str(tmp_path / "optim_dir"), shard=True)
+    # Colossal-AI's use_async test names the file .safetensors: torch 2.13's torch.load(path)
+    # would read it as safetensors
+    ckpt.save_optimizer(opt, str(tmp_path / "optim.safetensors"), use_async=True)
     ckpt.save_lr_scheduler(sched, str(tmp_path / "sched.pt"))
     ckpt._sync_d2h(), ckpt._sync_io()
-    for model_path, optim_path in (("model.bin", "optim.pt"), ("sharded", "optim_dir")):
+    for model_path, optim_path in (("model.bin", "optim.pt"), ("sharded", "optim_dir"),
+                                   ("model.bin", "optim.safetensors")):
         new, new_opt, new_sched = build()
         ckpt.load_model(new, str(tmp_path / model_path))
         ckpt.load_optimizer(new_opt, str(tmp_path / optim_path))

@@ -1,4 +1,4 @@
-"""HybridAdam equals torch's AdamW/Adam step for step; CosineAnnealingWarmupLR its closed form.
+"""HybridAdam equals torch's AdamW/Adam step for step; CosineAnnealingWarmupLR is Colossal-AI's.
 
 Equality is exact (``torch.equal``): HybridAdam *is* torch's implementation with the
 foreach path on the CPU, so the same inputs must give the same bits.
@@ -90,24 +90,88 @@ def test_cosine_annealing_warmup_lr_closed_form(total, warmup, eta_min):
 
 
 def test_cosine_annealing_warmup_lr_resumes_from_state_dict():
+    # a resume loads the optimizer (whose groups carry the lr) and the scheduler
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
     sched = CosineAnnealingWarmupLR(opt, total_steps=10, warmup_steps=3)
     for _ in range(5):
         opt.step(); sched.step()
     opt2 = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
     sched2 = CosineAnnealingWarmupLR(opt2, total_steps=10, warmup_steps=3)
+    opt2.load_state_dict(opt.state_dict())
     sched2.load_state_dict(sched.state_dict())
-    opt.step(); sched.step(); opt2.step(); sched2.step()
-    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == \
-        pytest.approx(_closed_form(6, 1.0, 10, 3, 0.0))
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    for k in range(6, 12):
+        opt.step(); sched.step(); opt2.step(); sched2.step()
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == \
+            pytest.approx(_closed_form(k, 1.0, 10, 3, 0.0), rel=1e-12, abs=1e-15)
+        assert sched2.get_last_lr() == sched.get_last_lr() == [opt.param_groups[0]["lr"]]
 
 
-def test_cosine_annealing_warmup_lr_rejects_bad_steps():
+def test_cosine_annealing_warmup_lr_built_on_a_stepped_optimizer():
+    # Colossal-AI's test_general_checkpoint_io builds a second scheduler on an optimizer that
+    # already stepped: without warm-up the lr stays as it is (torch's CosineAnnealingLR keeps
+    # the current lr at its step 0); with warm-up it restarts from initial_lr, which the first
+    # scheduler set and torch keeps
+    opt = torch.optim.Adam(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+    first = CosineAnnealingWarmupLR(opt, total_steps=10)
+    opt.step(); first.step()
+    stepped = 1e-3 * (1 + math.cos(math.pi / 10)) / 2  # 0.000975...
+    assert opt.param_groups[0]["lr"] == pytest.approx(stepped, rel=1e-12)
+    second = CosineAnnealingWarmupLR(opt, total_steps=10)
+    assert opt.param_groups[0]["lr"] == pytest.approx(stepped, rel=1e-12)
+    assert second.get_last_lr() == [opt.param_groups[0]["lr"]]
+    assert second.base_lrs == [1e-3] and opt.param_groups[0]["initial_lr"] == 1e-3
+    CosineAnnealingWarmupLR(opt, total_steps=10, warmup_steps=4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 4)
+
+
+def test_cosine_annealing_warmup_lr_anneals_the_current_lr():
+    # the cosine phase is torch's recursive update: an lr changed by hand is annealed on
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
-    with pytest.raises(ValueError, match="total_steps"):
-        CosineAnnealingWarmupLR(opt, total_steps=5, warmup_steps=5)
-    with pytest.raises(ValueError, match="warmup_steps"):
-        CosineAnnealingWarmupLR(opt, total_steps=5, warmup_steps=-1)
+    sched = CosineAnnealingWarmupLR(opt, total_steps=6, warmup_steps=2)
+    for _ in range(3):
+        opt.step(); sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(_closed_form(3, 1.0, 6, 2, 0.0))
+    opt.param_groups[0]["lr"] /= 2
+    opt.step(); sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(_closed_form(4, 1.0, 6, 2, 0.0) / 2)
+    assert sched.get_last_lr() == [opt.param_groups[0]["lr"]]
+
+
+def test_cosine_annealing_warmup_lr_state_dict_is_colossal_ais():
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    sched = CosineAnnealingWarmupLR(opt, total_steps=10, warmup_steps=3, eta_min=0.01)
+    for _ in range(5):
+        opt.step(); sched.step()
+    # the warm-up scheduler's own count stops at warmup_steps; the cosine part counts on
+    assert (sched.last_epoch, sched.after_scheduler.last_epoch, sched.finished) == (3, 2, True)
+    state = sched.state_dict()
+    assert {"warmup_epochs", "finished", "base_lrs", "last_epoch", "_step_count",
+            "_last_lr"} <= state.keys()
+    assert "optimizer" not in state and "after_scheduler" not in state
+    assert (state["warmup_epochs"], state["finished"], state["after_scheduler_type"]) == \
+        (3, True, "CosineAnnealingLR")
+    after = state["after_scheduler_dict"]
+    assert (after["T_max"], after["eta_min"], after["last_epoch"]) == (7, 0.01, 2)
+    # a dict written by Colossal-AI (no _is_initial, an older torch's verbose) loads too
+    colossal = {key: value for key, value in state.items() if key != "_is_initial"}
+    colossal["verbose"] = False
+    opt2 = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    sched2 = CosineAnnealingWarmupLR(opt2, total_steps=10, warmup_steps=3, eta_min=0.01)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(colossal)
+    opt.step(); sched.step(); opt2.step(); sched2.step()
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    assert sched2.after_scheduler.last_epoch == 3
+
+
+def test_cosine_annealing_warmup_lr_refuses_a_schedule_without_a_cosine_phase():
+    # Colossal-AI takes these and divides by zero at the first cosine step past the end.
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    with pytest.raises(ValueError, match=r"total_steps \(2\) must exceed warmup_steps \(2\)"):
+        CosineAnnealingWarmupLR(opt, total_steps=2, warmup_steps=2)
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        CosineAnnealingWarmupLR(opt, total_steps=2, warmup_steps=-1)
 
 
 def test_hybrid_adam_fused_choice_moves_existing_steps():

@@ -3,17 +3,21 @@
 FSDP2's sharded FP32 parameters are the master weights, so the user's optimizer, rebuilt on
 them, steps them directly (no master copies) and keeps its state sharded 1/dp too. On top of it:
 fp16 loss scaling with an overflow check agreed over the shard group, clipping by the norm over
-all shards, ``no_sync`` gradient accumulation, and the refresh of the FP8 all-gather scales.
+all shards, ``no_sync`` gradient accumulation, the refresh of the FP8 all-gather scales, and a
+``state_dict()`` of plain full-size tensors (as ZeRO's, and Colossal-AI's Gemini's) where the
+torch optimizer's own holds FSDP2's DTensor shards.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp8boost.parallel.boosted_optimizer import DirectOptimizerProxy
 from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
@@ -144,4 +148,62 @@ class FsdpOptimizer(DirectOptimizerProxy):
         self.optim.zero_grad(set_to_none=set_to_none)
         self._unscaled = False
         self.forget_guard_verdict()
+
+    # ------------------------------------------------------------------------- state dicts
+    def state_dict(self) -> dict:
+        """torch's layout (``state`` by parameter index, ``param_groups``; ``"loss_scaler"``
+        under fp16) with every DTensor state gathered into a plain tensor at the parameter's
+        full shape, on the device of its shard: what a torch optimizer over the unsharded
+        model holds, and what Colossal-AI's scripts compare and ``torch.save``.
+
+        Collective over the shard group: every rank calls it and gets the same tensors (the
+        whole optimizer state on each rank: checkpoints go through ``booster.save_optimizer``,
+        which writes each rank's shards instead).
+        """
+        out = super().state_dict()
+        state = {}
+        for index in sorted(out["state"]):  # sorted: the same gathers in the same order on
+            entry = out["state"][index]       # every rank
+            state[index] = {key: _full(entry[key]) for key in sorted(entry)}
+        return {**out, "state": state}
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Load :meth:`state_dict`'s layout: each plain tensor at its parameter's full shape is
+        cut to this rank's shard (locally: nothing is communicated); DTensors (the torch
+        optimizer's own ``state_dict()``) and the rest (``step``) load as they are."""
+        params = {}  # saved index -> parameter, paired by position as torch's load pairs them
+        saved = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        for index, param in zip(saved, self.params):
+            params[index] = param
+        state = {}
+        for index, entry in state_dict["state"].items():
+            param = params.get(index)
+            state[index] = {key: _shard_like(value, param) if key != "step" else value
+                            for key, value in entry.items()}
+        super().load_state_dict({**state_dict, "state": state})
+
+
+def _full(value):
+    """A DTensor gathered into a plain tensor on its own device (collective); else ``value``.
+
+    Under CPU offload the shards live on the CPU while the mesh may be NCCL's: the gather then
+    runs on the mesh's device.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    device = value.device
+    if device.type != value.device_mesh.device_type:
+        value = value.to(value.device_mesh.device_type)
+    return value.full_tensor().to(device)
+
+
+def _shard_like(value, param: Optional[torch.Tensor]):
+    """A plain tensor at DTensor ``param``'s full shape, cut to this rank's piece of it (a
+    DTensor laid out as ``param``); anything else as it is."""
+    if (not isinstance(param, DTensor) or isinstance(value, DTensor)
+            or not torch.is_tensor(value) or value.shape != param.shape):
+        return value
+    mesh = param.device_mesh
+    return distribute_tensor(value.detach().to(mesh.device_type), mesh, param.placements,
+                             src_data_rank=None)
 
