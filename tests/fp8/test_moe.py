@@ -7,6 +7,7 @@ Against the HF module in FP32 it differs by FP8 rounding: e4m3 keeps 3 mantissa 
 6% per element, ~3.6% RMS); two quantized operands per GEMM and two GEMMs in a row give a
 measured relative (Frobenius) error of 0.03-0.08 on random data with outliers; we allow 0.12.
 """
+import contextlib
 import copy
 import warnings
 
@@ -347,24 +348,21 @@ def test_high_precision_expert_wgrad_is_the_exact_grouped_product(backend):
     assert "precision=fp8_wgrad_hp" in repr(fp8_experts(model)[0])
 
 
-def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(monkeypatch):
-    """fp8.moe.choice on the GPU backend's code path (CPU tensors here, times faked): the
-    fastest candidate wins and is cached per shape, BF16 only under the default min_numel
-    (warned once, with the times), and BF16 experts compute the HF module's forward."""
+@contextlib.contextmanager
+def _faked_precision_timing(monkeypatch, fake_ms: dict):
+    """The experts' precision choice with faked times (``fake_ms`` per precision, whatever ran
+    last), on-disk decisions off, autotuning on; yields the precisions run, in order."""
     from fp8boost import _state
     from fp8boost.fp8.kernels import tuning
     from fp8boost.fp8.moe import choice
     from fp8boost.fp8.moe import experts as experts_mod
 
     monkeypatch.setenv("FP8BOOST_AUTOTUNE_CACHE", "0")
-    ran = []
-    real = experts_mod.forward_with
+    ran, real = [], experts_mod.forward_with
 
     def recording(experts, x, idx, w, precision, device):
         ran.append(precision)
         return real(experts, x, idx, w, precision, device)
-
-    fake_ms = {"fp8": 3.0, "fp8_wgrad_hp": 2.0, "bf16": 1.0}
 
     def fake_time(fn):
         fn()
@@ -377,6 +375,21 @@ def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(mon
     tuning.set_autotune(True)
     _state.reset()
     try:
+        yield ran
+    finally:
+        _state.reset()
+        tuning.set_autotune(autotune)
+
+
+def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(monkeypatch):
+    """fp8.moe.choice on the GPU backend's code path (CPU tensors here, times faked): the
+    fastest candidate wins and is cached per shape, BF16 only under the default min_numel
+    (warned once, with the times), and BF16 experts compute the HF module's forward."""
+    from fp8boost.fp8.moe import choice
+    from fp8boost.fp8.moe import experts as experts_mod
+
+    with _faked_precision_timing(monkeypatch, {"fp8": 3.0, "fp8_wgrad_hp": 2.0,
+                                               "bf16": 1.0}) as ran:
         hf = tiny("mixtral").model.layers[0].mlp.experts
         spec = find_expert_spec(hf)
         fp8 = Fp8Experts(copy.deepcopy(hf), spec, Fp8Config(backend="emulated"))
@@ -396,9 +409,6 @@ def test_precision_is_timed_once_per_shape_and_bf16_kept_where_fp8_is_slower(mon
         x, idx = torch.randn(10, 64), torch.randint(0, 4, (10, 2))
         w = torch.rand(10, 2).softmax(-1)
         torch.testing.assert_close(fp8(x, idx, w), hf(x, idx, w), rtol=1e-5, atol=1e-6)
-    finally:
-        _state.reset()
-        tuning.set_autotune(autotune)
 
 
 @pytest.mark.parametrize("fp8_ms, hpw_ms, want", [(1.0, 1.03, "fp8_wgrad_hp"),
@@ -408,37 +418,15 @@ def test_all_fp8_needs_a_clear_lead_over_the_bf16_weight_gradient(monkeypatch, f
     """A near tie (all-FP8 3% ahead, as the module timing had Mixtral-8x7B on an H200 while
     the compiled step ran faster with BF16 weight gradients) goes to fp8_wgrad_hp; a 10% lead
     keeps all-FP8 (choice.HANDICAP)."""
-    from fp8boost import _state
-    from fp8boost.fp8.kernels import tuning
     from fp8boost.fp8.moe import choice
     from fp8boost.fp8.moe import experts as experts_mod
 
-    monkeypatch.setenv("FP8BOOST_AUTOTUNE_CACHE", "0")
-    ran, real = [], experts_mod.forward_with
-    fake_ms = {"fp8": fp8_ms, "fp8_wgrad_hp": hpw_ms, "bf16": 5.0}
-
-    def recording(experts, x, idx, w, precision, device):
-        ran.append(precision)
-        return real(experts, x, idx, w, precision, device)
-
-    def fake_time(fn):
-        fn()
-        return fake_ms[ran[-1]]
-
-    monkeypatch.setattr(experts_mod, "forward_with", recording)
-    monkeypatch.setattr(tuning, "_time_ms", fake_time)
-    monkeypatch.setattr(choice, "TOKENS", 64)
-    autotune = _state.setting(tuning._AUTOTUNE)
-    tuning.set_autotune(True)
-    _state.reset()
-    try:
+    with _faked_precision_timing(monkeypatch, {"fp8": fp8_ms, "fp8_wgrad_hp": hpw_ms,
+                                               "bf16": 5.0}):
         hf = tiny("mixtral").model.layers[0].mlp.experts
         fp8 = Fp8Experts(copy.deepcopy(hf), find_expert_spec(hf), Fp8Config(backend="emulated"))
         assert choice.choose(fp8, torch.device("cpu"), "scaled_grouped_mm",
                              experts_mod.forward_with) == want
-    finally:
-        _state.reset()
-        tuning.set_autotune(autotune)
 
 
 def test_precision_timing_failure_warns_and_keeps_fp8(monkeypatch):
