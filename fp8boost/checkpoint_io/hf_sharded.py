@@ -209,11 +209,7 @@ def write_gathered(module: nn.Module, directory: str, shard: bool, size_mb: floa
             del full  # free the gathered copy before the next collective
         if sink is not None:
             sink.close()
-    if sink is not None and sink.failure is not None:
-        raise sink.failure
-    if not writer:
-        return
-    write_index_and_config(module, directory, names, plan, sd, shard)
+    finish(sink, module, directory, names, plan, sd, shard)
 
 
 # ------------------------------------------------------------------------------ reading
@@ -258,6 +254,17 @@ class _NamedErrors:
                                       "truncated or corrupt: restore it or load another "
                                       "checkpoint)") from exc
         return False
+
+
+def finish(sink: Optional["Sink"], module: nn.Module, directory: str, names: list[str],
+           plan: list[list[str]], tensors: dict[str, torch.Tensor], shard: bool) -> None:
+    """After a save's file loop: the writer (``sink`` not None) re-raises what a file write
+    failed with, else writes :func:`write_index_and_config`; other ranks do nothing."""
+    if sink is None:
+        return
+    if sink.failure is not None:
+        raise sink.failure
+    write_index_and_config(module, directory, names, plan, tensors, shard)
 
 
 def write_index_and_config(module: nn.Module, directory: str, names: list[str],

@@ -122,11 +122,7 @@ def write_hf_gathered(plugin, model: nn.Module, directory: str, shard: bool,
                 del t  # free the gathered copy before the next gather
             if sink is not None:
                 sink.close()
-    if sink is None:
-        return
-    if sink.failure is not None:
-        raise sink.failure
-    hf.write_index_and_config(module, directory, names, plan, shapes, shard)
+    hf.finish(sink, module, directory, names, plan, shapes, shard)
 
 
 # ------------------------------------------------------------------------------ reading

@@ -79,11 +79,7 @@ def write_hf_gathered_pp(plugin, model: nn.Module, directory: str, shard: bool,
                 del t
             if sink is not None:
                 sink.close()
-    if sink is None:
-        return
-    if sink.failure is not None:
-        raise sink.failure
-    hf.write_index_and_config(module, directory, names, plan, shapes, shard)
+    hf.finish(sink, module, directory, names, plan, shapes, shard)
 
 
 def _fetch(k: str, owner: int, in_owner_group: bool, sd: dict, overrides: dict, tp: TpLayout,

@@ -47,7 +47,7 @@ from torch import nn
 from fp8boost.parallel.ep import EpExperts, gathered_experts, whole_experts
 
 from . import coordination as coord
-from .atomic import atomic_save_dir, require
+from .atomic import atomic_save_dir
 from .base import GeneralCheckpointIO
 from .checksums import verify_checksums
 from .coordination import agreed_read
@@ -213,12 +213,7 @@ class MoeCheckpointIO(GeneralCheckpointIO):
                 os.path.join(path, OPTIM_INDEX)):
             self._check_saved_tp(path, 1)  # another plugin's: whole tensors, as at tp 1
             return None
-        require(path, "MoE optimizer", MOE_OPTIM_INDEX)
-        with open(os.path.join(path, MOE_OPTIM_INDEX)) as f:
-            meta = json.load(f)
-        if meta.get("format") != MOE_OPTIM_FORMAT:
-            raise ValueError(f"{path} has MoE optimizer format {meta.get('format')!r}, expected "
-                             f"{MOE_OPTIM_FORMAT!r}")
+        meta = read_index(path, "MoE optimizer", MOE_OPTIM_INDEX, MOE_OPTIM_FORMAT)
         self._check_saved_tp(path, meta.get("tp_size", 1))
         return meta["ep_size"]
 

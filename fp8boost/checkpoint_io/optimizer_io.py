@@ -123,14 +123,16 @@ class ShardPieces:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def read_index(directory: str) -> dict:
-    """``directory``'s optimizer index, after checking it is there and in this format."""
-    require(directory, "optimizer", OPTIM_INDEX)
-    with open(os.path.join(directory, OPTIM_INDEX)) as f:
+def read_index(directory: str, what: str = "optimizer", name: str = OPTIM_INDEX,
+               fmt: str = OPTIM_FORMAT) -> dict:
+    """``directory``'s ``what`` index file ``name``, after checking it is there and in format
+    ``fmt`` (default: the optimizer index of this module)."""
+    require(directory, what, name)
+    with open(os.path.join(directory, name)) as f:
         index = json.load(f)
-    if index.get("format") != OPTIM_FORMAT:
-        raise ValueError(f"{directory} has optimizer format {index.get('format')!r}, "
-                         f"expected {OPTIM_FORMAT!r}")
+    if index.get("format") != fmt:
+        raise ValueError(f"{directory} has {what} format {index.get('format')!r}, "
+                         f"expected {fmt!r}")
     return index
 
 
