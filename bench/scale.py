@@ -133,6 +133,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         f"bf16 for {BF16_BUILD}, else fp32 as bench/train.py)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense BF16 peak per GPU for MFU (default: from the device name)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: profile this many extra steps per config (rank 0's kernel ms by "
+                        "category and its compute/NCCL overlap go into the JSON)")
+    p.add_argument("--profile-trace", default=None, metavar="DIR",
+                   help="with --profile-steps: rank 0's Chrome trace per config, gzipped, here")
+    p.add_argument("--profile-cpu", action="store_true",
+                   help="with --profile-steps: record CPU ops too (FSDP's ranges in the trace)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--output", default=None, help="JSON path (default: $OUT or bench/results)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -307,6 +314,16 @@ def measure(name: str, args, device: torch.device, rank: int, world_size: int) -
         train_peak = peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
         reserved = None
     extra: dict[str, Any] = {}
+    if args.profile_steps and cuda:  # after the timed steps: the profiler's cost is not timed
+        import _profile  # bench/_profile.py
+        trace = (str(Path(args.profile_trace) / f"trace_{name}_rank0.json.gz")
+                 if args.profile_trace and rank == 0 else None)
+        if trace:
+            Path(args.profile_trace).mkdir(parents=True, exist_ok=True)
+        extra["kernels"] = _profile.kernel_breakdown(step, args.profile_steps, device,
+                                                     trace=trace, cpu=args.profile_cpu)
+        if rank == 0:
+            print(_profile.format_breakdown(name, extra["kernels"]), flush=True)
     if args.compile:
         extra["compile"] = train.compile_evidence()
     if getattr(args, "_fp8_layers", None):
@@ -435,8 +452,9 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
 def child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
     argv = train.child_argv_for(args, config, output,
                                 ("build_dtype", "layers", "replica_batch", "microbatches",
-                                 "fp8_min_numel", "bucket_m", "peak_tflops"),
-                                ("activation_checkpointing",))
+                                 "fp8_min_numel", "bucket_m", "peak_tflops", "profile_steps",
+                                 "profile_trace"),
+                                ("activation_checkpointing", "profile_cpu"))
     return argv + (["--compile"] if args.compile and config != "fsdp2_bf16_eager" else [])
 
 

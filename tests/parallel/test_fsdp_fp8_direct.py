@@ -336,3 +336,33 @@ def test_compiled_fp8linear_consumes_the_carrier():
         compiled(x).square().sum().backward()
     ref(x2).square().sum().backward()
     assert torch.equal(x.grad, x2.grad) and torch.equal(layer.weight.grad, ref.weight.grad)
+
+
+def _check_stacked_amax(device: str) -> None:
+    from fp8boost.fp8.scaling import amax
+    from fp8boost.parallel.fsdp.fp8_all_gather import _stacked_amax
+
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(64, 48, generator=g), torch.randn(7, generator=g).to(torch.bfloat16),
+          torch.empty(0, 4), torch.randn(33, 5, generator=g)]
+    ts[0][5, 7] = -4.0e4  # an outlier decides the max, with its sign dropped
+    ts = [t.to(device) for t in ts]
+    got = _stacked_amax(ts)
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    assert torch.equal(got, torch.stack([amax(t) for t in ts]))
+    assert got[0].item() == 4.0e4 and got[2].item() == 0.0
+    ts[3][2, 1] = float("nan")  # corruption stays visible in the scale
+    assert torch.isnan(_stacked_amax(ts)[3]) and not torch.isnan(_stacked_amax(ts)[:3]).any()
+
+
+def test_precompute_amaxes_equal_the_per_weight_amax():
+    """precompute's one stacked reduction pass equals amax() per weight: max |x| (outliers,
+    bf16 and empty tensors) and NaN propagation."""
+    _check_stacked_amax("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_precompute_amaxes_equal_the_per_weight_amax_on_cuda():
+    """The same on the GPU, where vector_norm(inf) is a different reduction kernel."""
+    _check_stacked_amax("cuda")
