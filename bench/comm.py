@@ -278,6 +278,8 @@ def environment(device: torch.device, args) -> dict:
                       + " ".join(sys.argv[1:]),
            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST"),
+           "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
+           "NCCL_SHM_DISABLE": os.environ.get("NCCL_SHM_DISABLE"),
            "warmup": args.warmup, "iters": args.iters, "statistic": "max over ranks of median"}
     try:
         import triton  # noqa: WPS433

@@ -392,8 +392,9 @@ def environment(device: torch.device, world_size: int) -> dict[str, Any]:
         torch=torch.__version__, transformers=transformers.__version__,
         python=platform.python_version(), cuda=torch.version.cuda,
         nccl=_nccl_version() if device.type == "cuda" else None,
-        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",
-                                              "TORCH_SYMM_MEM_DISABLE_MULTICAST")})
+        # NCCL_P2P/SHM_DISABLE=1: the network-transport rows (issue 36); recorded, not implied.
+        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                              "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")})
     for mod in ("triton", "torchao"):
         try:
             env[mod] = __import__(mod).__version__

@@ -160,6 +160,9 @@ def _check_direct(rank: int, ws: int) -> None:
         with _Spy() as spy:
             assert precompute_fp8_all_gather_scales(model) == 3
         assert spy.reduces == 1, "(c) precompute must issue exactly one all-reduce"
+        for i in LIN:  # inductor would copy a misaligned scale input at every call
+            pre = model[i].weight._local_tensor._precomputed
+            assert pre[0].data_ptr() % 16 == 0 and pre[1].data_ptr() % 16 == 0, i
     for i in LIN:
         torch.testing.assert_close(model[i].weight.full_tensor(), ref[i].weight,
                                    rtol=1e-6, atol=1e-8)
@@ -366,3 +369,15 @@ def test_precompute_amaxes_equal_the_per_weight_amax():
 def test_precompute_amaxes_equal_the_per_weight_amax_on_cuda():
     """The same on the GPU, where vector_norm(inf) is a different reduction kernel."""
     _check_stacked_amax("cuda")
+
+
+def test_precomputed_scales_are_16_byte_aligned():
+    """Each precomputed scale and inverse is its own 16-byte aligned 0-dim tensor (inductor copies
+    misaligned graph inputs on every call) holding exactly the per-weight value."""
+    from fp8boost.parallel.fsdp.fp8_all_gather import _aligned_scalars
+
+    v = torch.tensor([1.0, 448.0 / 3.5, float("nan"), 2.0 ** -20, 7.0])
+    got = _aligned_scalars(v)
+    assert len(got) == 5 and all(t.dim() == 0 for t in got)
+    assert all(t.data_ptr() % 16 == 0 for t in got)
+    torch.testing.assert_close(torch.stack(got), v, rtol=0, atol=0, equal_nan=True)
