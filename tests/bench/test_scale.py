@@ -174,3 +174,27 @@ def test_not_implemented_is_recorded_as_not_available(scale, monkeypatch):
     row = scale.run_config("pp2_bf16", args, scale.torch.device("cpu"), 0, 1,
                            dict(flops_per_token=1))
     assert row["status"] == "not_available" and "not implemented" in row["error"]
+
+
+def test_profile_overlap_splits_compute_from_exposed_nccl():
+    """bench/_profile.py's overlap: busy = union of non-NCCL kernels, idle = span - busy,
+    nccl_exposed = NCCL time no compute kernel covers (per step, ms from us)."""
+    with on_bench_path():
+        import _profile
+    kernels = [("gemm_bf16", 0, 10_000), ("nccl", 5_000, 20_000), ("inductor_fused", 15_000, 18_000),
+               ("nccl", 19_000, 21_000), ("fp8_cast", 30_000, 40_000)]
+    got = _profile.overlap(kernels, steps=2)
+    # busy 10 + 3 + 10 ms; NCCL 5-21 (16 ms) minus compute 5-10 and 15-18: 10-15 and 18-21
+    assert got == dict(span=20.0, busy=11.5, idle=8.5, nccl=8.0, nccl_exposed=4.0)
+    assert _profile.overlap([], steps=1) == {}
+    assert _profile.categorize("ncclDevKernel_AllGather_RING_LL(x)") == "nccl"
+
+
+def test_profile_flags_reach_the_isolated_child(scale):
+    args = scale.parse_args(["--configs", "zero2_fp8,gemini_fp8", "--profile-steps", "1",
+                             "--profile-trace", "/tmp/tr", "--profile-cpu"])
+    argv = scale.child_argv(args, "zero2_fp8", "/tmp/o.json")
+    assert argv[argv.index("--profile-steps") + 1] == "1"
+    assert argv[argv.index("--profile-trace") + 1] == "/tmp/tr" and "--profile-cpu" in argv
+    plain = scale.child_argv(scale.parse_args(["--configs", "zero2_fp8,gemini_fp8"]), "x", "o")
+    assert "--profile-cpu" not in plain and "--profile-trace" not in plain
