@@ -381,3 +381,20 @@ def test_precomputed_scales_are_16_byte_aligned():
     assert len(got) == 5 and all(t.dim() == 0 for t in got)
     assert all(t.data_ptr() % 16 == 0 for t in got)
     torch.testing.assert_close(torch.stack(got), v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_pre_all_gather_signature_is_not_rebuilt_per_gather():
+    """FSDP2 inspects fsdp_pre_all_gather's signature before every all-gather of every weight:
+    the hook hands inspect its 5-parameter form ready-made (the same object every time) and
+    still runs as the bound method."""
+    import inspect
+
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.fsdp.fp8_all_gather import Fp8AllGatherWeight
+
+    w = Fp8AllGatherWeight(torch.randn(4, 4), Fp8CommConfig())
+    sig = inspect.signature(w.fsdp_pre_all_gather)
+    assert list(sig.parameters) == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"]
+    assert inspect.signature(w.fsdp_pre_all_gather) is sig
+    assert w.fsdp_pre_all_gather.args == (w,)  # bound to this weight, not to the class
+    assert Fp8AllGatherWeight.fsdp_pre_all_gather.__name__ == "fsdp_pre_all_gather"
