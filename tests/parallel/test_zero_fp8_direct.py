@@ -16,6 +16,7 @@ What is checked (one spawn, many assertions):
 """
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -242,3 +243,20 @@ def test_compiled_layer_uses_the_prequantized_weight_without_a_graph_break():
     layer.load_state_dict(layer.state_dict())
     assert layer.__dict__.get("_pre_w") is None
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_copy_gathered_equals_reshape_and_drops_padding(dtype):
+    """The all-gather unpack copies each weight straight out of the [world, total] buffer (in
+    8-byte words where aligned): the same values as the reshape it replaces, padding dropped,
+    for whole, padded, unaligned and single-rank-spanning chunks."""
+    from fp8boost.parallel.zero.sharding import copy_gathered
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(4, 64, 8, 16, 64), (4, 64, 8, 16, 61), (3, 30, 3, 9, 25), (2, 40, 0, 40, 80),
+             (4, 64, 8, 16, 48), (4, 64, 1, 15, 59)]
+    for world, total, off, chunk, numel in cases:
+        rows = torch.randint(0, 255, (world, total), generator=g).to(dtype)
+        dst = torch.full((numel,), 7, dtype=dtype)
+        copy_gathered(dst, rows, off, chunk)
+        assert torch.equal(dst, rows[:, off:off + chunk].reshape(-1)[:numel]), (world, off, numel)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .direct_blocks import cast_block_chunk, receive_block
-from .sharding import ParamShard, padded_rows
+from .sharding import ParamShard, copy_gathered, padded_rows
 
 
 class Collectives:
@@ -312,9 +312,12 @@ def _finish_gather(entry, ctx: _GatherCtx) -> None:
             receive_block(w, rows[:, off:off + w.wire_numel], ctx.params[i])
             off += w.wire_numel
             continue
-        full = rows[:, off:off + s.chunk].reshape(-1)[: s.numel]
+        param = ctx.params[i]
         if ctx.kinds[i] == "direct":
-            ctx.direct.receive(i, full, ctx.params[i], ctx.scales)
+            ctx.direct.receive(i, param, ctx.scales,
+                               lambda dst, o=off, c=s.chunk: copy_gathered(dst, rows, o, c))
+        elif param.is_contiguous():  # copy_ on a view bumps the Parameter's version too
+            copy_gathered(param.view(-1), rows, off, s.chunk)
         else:
-            ctx.params[i].copy_(full.view(s.shape))
+            param.copy_(rows[:, off:off + s.chunk].reshape(-1)[: s.numel].view(s.shape))
         off += s.chunk

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -212,17 +212,18 @@ class ZeroDirectPlan:
                        power_of_2=w.plan.power_of_2,
                        impl=resolve_cast_impl(self.config, out_u8.device))
 
-    def receive(self, index: int, full_u8: torch.Tensor, param: torch.Tensor,
-                scales: torch.Tensor) -> None:
+    def receive(self, index: int, param: torch.Tensor, scales: torch.Tensor,
+                fill: Callable[[torch.Tensor], None]) -> None:
         """Store a gathered weight's bytes, decode the working param, hand both to the layer.
 
-        ``full_u8``: the weight's ``numel`` gathered bytes (padding already dropped).
+        ``fill(dst)`` writes the weight's ``numel`` gathered bytes (padding dropped) into the
+        flat uint8 ``dst``: straight from the all-gather buffer, no intermediate copy.
         """
         w = self.weights[self.slot[index]]
         if w.buffer is None or w.buffer.device != param.device:
             w.buffer = torch.empty(param.shape, dtype=w.plan.fp8_dtype, device=param.device)
         data = w.buffer.view(torch.uint8).view(1, -1)
-        data.copy_(full_u8.view(1, -1))
+        fill(data.view(-1))
         j = self.slot[index]
         inv = scales[j:j + 1].reciprocal()
         impl = resolve_cast_impl(self.config, param.device)

@@ -68,3 +68,30 @@ def padded_rows(flat: torch.Tensor, chunk: int, world: int, out: torch.Tensor) -
         out[full, :rem].copy_(flat[full * chunk:])
         out[full, rem:].zero_()
         out[full + 1:].zero_()
+
+
+def copy_gathered(dst: torch.Tensor, rows: torch.Tensor, off: int, chunk: int) -> None:
+    """``dst`` (flat, contiguous) = the ranks' chunks ``rows[:, off:off + chunk]``, end to end,
+    the last chunk's padding dropped.
+
+    One 2-D copy straight from the all-gather buffer, not a reshape (a strided copy) and then a
+    second copy; in 8-byte words whenever the offsets allow, because a strided copy of single
+    bytes runs far below bandwidth (the FP8 weights of LLaMA2-7B took 38 ms per step on
+    4xH200 against 8.5 ms for the same weights in BF16).
+    """
+    whole, rest = divmod(dst.numel(), chunk)
+    src = rows[:, off:off + chunk]
+    if whole:
+        a, b = dst[:whole * chunk].view(whole, chunk), src[:whole]
+        if _word_aligned(a, b, chunk):
+            a, b = a.view(torch.int64), b.view(torch.int64)
+        a.copy_(b)
+    if rest:
+        dst[whole * chunk:].copy_(src[whole, :rest])
+
+
+def _word_aligned(a: torch.Tensor, b: torch.Tensor, chunk: int) -> bool:
+    size = a.element_size()
+    return (size < 8 and a.dtype == b.dtype and (chunk * size) % 8 == 0
+            and (b.stride(0) * size) % 8 == 0
+            and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0)
