@@ -374,10 +374,10 @@ def test_precompute_amaxes_equal_the_per_weight_amax_on_cuda():
 def test_precomputed_scales_are_16_byte_aligned():
     """Each precomputed scale and inverse is its own 16-byte aligned 0-dim tensor (inductor copies
     misaligned graph inputs on every call) holding exactly the per-weight value."""
-    from fp8boost.parallel.fsdp.fp8_all_gather import _aligned_scalars
+    from fp8boost.fp8.scaling import aligned_scalars
 
     v = torch.tensor([1.0, 448.0 / 3.5, float("nan"), 2.0 ** -20, 7.0])
-    got = _aligned_scalars(v)
+    got = aligned_scalars(v)
     assert len(got) == 5 and all(t.dim() == 0 for t in got)
     assert all(t.data_ptr() % 16 == 0 for t in got)
     torch.testing.assert_close(torch.stack(got), v, rtol=0, atol=0, equal_nan=True)

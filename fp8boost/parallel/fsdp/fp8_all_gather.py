@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fp8boost import _state
-from fp8boost.fp8.scaling import amax
+from fp8boost.fp8.scaling import aligned_scalars, amax
 
 from ..comm.config import Fp8CommConfig
 from ..comm._utils import resolve_cast_impl
@@ -423,23 +423,11 @@ def precompute_fp8_all_gather_scales(model: nn.Module) -> int:
             key = (plan.fp8_dtype, plan.margin, plan.power_of_2)
             if key not in rules:
                 scales = plan.scale(amaxes)
-                rules[key] = (_aligned_scalars(scales), _aligned_scalars(scales.reciprocal()))
+                rules[key] = (aligned_scalars(scales), aligned_scalars(scales.reciprocal()))
         for i, (w, plan) in enumerate(weights):
             scales, invs = rules[(plan.fp8_dtype, plan.margin, plan.power_of_2)]
             w._precomputed = (scales[i], invs[i], w._tensor._version, plan)
     return sum(len(ws) for ws in by_mesh.values())
-
-
-def _aligned_scalars(v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``v``'s elements as 0-dim views, each at a 16-byte aligned address.
-
-    The inverse scale reaches the compiled ``Fp8Linear`` as a graph input, and inductor copies
-    every input not 16-byte aligned on each call: plain ``unbind`` views (4 bytes apart) cost a
-    clone kernel and its CPU time per weight per micro-batch (168 per 7B step, measured).
-    """
-    buf = torch.empty((v.numel(), 4), dtype=v.dtype, device=v.device)
-    buf[:, 0].copy_(v)
-    return buf[:, 0].unbind(0)
 
 
 def _stacked_amax(tensors: list[torch.Tensor]) -> torch.Tensor:

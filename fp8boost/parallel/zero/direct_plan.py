@@ -43,7 +43,7 @@ from fp8boost import _state
 from fp8boost.fp8.linear import Fp8Linear
 from fp8boost.fp8.recompute import compiling
 from fp8boost.fp8.record import recorded_linear
-from fp8boost.fp8.scaling import amax, scale_from_amax
+from fp8boost.fp8.scaling import aligned_scalars, amax, scale_from_amax
 
 from fp8boost.parallel.comm._utils import resolve_cast_impl
 from fp8boost.parallel.comm.config import Fp8CommConfig
@@ -167,6 +167,11 @@ class ZeroDirectPlan:
         self.blocks = list(blocks)  # direct_blocks.BlockWeight: no shared scale
         self.config = config if config is not None else Fp8CommConfig()
         self.slot = {w.index: j for j, w in enumerate(weights)}  # param index -> amax entry
+        # This step's inverse scales, one aligned 0-dim tensor per weight (made once per
+        # global_scales result, not one reciprocal launch per weight), and the cast
+        # implementation per device: both were per-weight CPU work at every step's end.
+        self._invs: tuple = (None, ())
+        self._impl: dict[torch.device, str] = {}
         self.block_slot = {w.index: w for w in self.blocks}
         # Weights sharing a scale rule get their scales from one vectorised call.
         self._rules: dict[tuple, list[int]] = {}
@@ -209,8 +214,18 @@ class ZeroDirectPlan:
         j = self.slot[index]
         src = master.to(out_u8.device, non_blocking=True).reshape(1, -1)
         cast_rows_into(src, scales[j:j + 1], out_u8.view(1, -1), w.plan.fp8_dtype,
-                       power_of_2=w.plan.power_of_2,
-                       impl=resolve_cast_impl(self.config, out_u8.device))
+                       power_of_2=w.plan.power_of_2, impl=self._cast_impl(out_u8.device))
+
+    def _cast_impl(self, device: torch.device) -> str:
+        if device not in self._impl:
+            self._impl[device] = resolve_cast_impl(self.config, device)
+        return self._impl[device]
+
+    def _inverse(self, j: int, scales: torch.Tensor) -> torch.Tensor:
+        """Weight ``j``'s inverse scale from this step's ``scales`` (all made at first use)."""
+        if self._invs[0] is not scales:
+            self._invs = (scales, aligned_scalars(scales.reciprocal()))
+        return self._invs[1][j]
 
     def receive(self, index: int, param: torch.Tensor, scales: torch.Tensor,
                 fill: Callable[[torch.Tensor], None]) -> None:
@@ -225,18 +240,18 @@ class ZeroDirectPlan:
         data = w.buffer.view(torch.uint8).view(1, -1)
         fill(data.view(-1))
         j = self.slot[index]
-        inv = scales[j:j + 1].reciprocal()
-        impl = resolve_cast_impl(self.config, param.device)
+        inv = self._inverse(j, scales)
+        impl = self._cast_impl(param.device)
         if param.is_contiguous():
-            decode_rows_into(data, inv, w.plan.fp8_dtype, param.detach().view(1, -1),
+            decode_rows_into(data, inv.reshape(1), w.plan.fp8_dtype, param.detach().view(1, -1),
                              power_of_2=w.plan.power_of_2, impl=impl)
             _bump_version(param)  # a kernel's write does not; the weight-cast caches key on it
         else:
             tmp = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            decode_rows_into(data, inv, w.plan.fp8_dtype, tmp.view(1, -1),
+            decode_rows_into(data, inv.reshape(1), w.plan.fp8_dtype, tmp.view(1, -1),
                              power_of_2=w.plan.power_of_2, impl=impl)
             param.copy_(tmp)
-        w.inv_scale = inv.reshape(())
+        w.inv_scale = inv
         w.layer.set_prequantized_weight(w.buffer, w.inv_scale)
         w.handed = (param.data_ptr(), param._version, _state.step_epoch())
 
