@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fp8boost.parallel.sp.setup import check_sp_args
+
 from .colossal_args import check_bools, hybrid_args, log_info
 from .hybrid_pipeline import check_pipeline_args
-from .hybrid_sp import check_sp_args
 
 PLUGIN = "moe_hybrid"  # log keys: colossal-args.moe_hybrid.<argument>
 NOT_IMPLEMENTED = "MoeHybridParallelPlugin runs dp x pp x ep x tp (no sequence parallelism)"

@@ -26,12 +26,12 @@ from fp8boost import _state
 from fp8boost.checkpoint_io.hybrid import HybridCheckpointIO
 from fp8boost.fp8.moe.detect import router_aux_loss_on
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
+from fp8boost.parallel.sp.setup import (apply_ulysses_to, check_sp_args, replica_groups,
+                                        validate_ulysses, zero_group)
 from fp8boost.parallel.tp import TpPlan, apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .hybrid_sp import (SP_MODES, apply_ulysses_to, check_sp_args, replica_groups,  # noqa: F401
-                        validate_ulysses, zero_group)
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
                               checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .colossal_args import hybrid_args, loss_scale_args, make_scaler
@@ -89,7 +89,7 @@ class HybridParallelPlugin(Plugin):
             default) or ``"all_to_all"`` (DeepSpeed-Ulysses over ``sp_size`` ranks of their own,
             any tp: attention heads / tp and kv heads / tp must divide by sp_size; HF causal
             LMs without padding masks; pp_size must be 1). Ignored (INFO) when sequence
-            parallelism is off; ``"ring_attn"`` raises. Rules: ``hybrid_sp.py``.
+            parallelism is off; ``"ring_attn"`` raises. Rules: ``parallel/sp/setup.py``.
         sp_size: all_to_all ranks per replica (keyword; dp = world / (pp x sp x tp)). Every sp
             rank is fed the same full batch and keeps ``seq / sp_size`` tokens: the returned
             ``loss`` is the global token mean, ``logits`` this rank's chunk. FP8 all-to-all of
@@ -248,7 +248,7 @@ class HybridParallelPlugin(Plugin):
         return self._stage_manager
 
     def _check_sp(self, enabled: bool, mode: Optional[str], sp_size: Optional[int]) -> tuple:
-        """(mode, sp mesh size): the rules are in ``hybrid_sp.py`` (split_gather on the tp ranks,
+        """(mode, sp mesh size): the rules are in ``parallel/sp/setup.py`` (split_gather on the tp ranks,
         all_to_all on an sp axis of its own)."""
         return check_sp_args(enabled, mode, sp_size, self.tp_size, self.pp_size)
 
@@ -270,7 +270,7 @@ class HybridParallelPlugin(Plugin):
         if self._plan is not None:
             check_plan(model, self._plan, self.tp_size)  # before any collective
             self._check_moe_sequence_parallel(model)
-        validate_ulysses(self, model)
+        validate_ulysses(model, self.sp_size, self.tp_size, self.pp_size)
         self._layout = pipeline_layout(model, self.pp_size, self.pipeline) \
             if self.pipeline else None
         self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
@@ -321,7 +321,7 @@ class HybridParallelPlugin(Plugin):
             self.tp_state = apply_tp(model, plan, topo.group("tp"),
                                      sequence_parallel=self.sequence_parallelism_mode
                                      == "split_gather", comm_plan=self.comm_plan)
-        apply_ulysses_to(self, model, topo)  # all_to_all: attention over the sp ranks
+        apply_ulysses_to(model, topo, self.sp_size, self.comm_plan)  # all_to_all: attention over the sp ranks
         # Delayed scaling: one amax history on every rank that holds the same layers (with pp,
         # one stage's dp x tp ranks: other stages' reductions must not be matched with ours).
         reduce_delayed_amax(model, self.pp_state.stage_group if self.pp_state else None)
@@ -338,7 +338,7 @@ class HybridParallelPlugin(Plugin):
         sharded = set(self.tp_state.shard_dims) if self.tp_state is not None else set()
         replicated = [p for n, p in model.named_parameters() if n not in sharded]
         opt = ZeroOptimizer(
-            optimizer, dp_group=zero_group(self, topo), stage=self.zero_stage,
+            optimizer, dp_group=zero_group(topo, self.sp_size), stage=self.zero_stage,
             overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
@@ -372,7 +372,7 @@ class HybridParallelPlugin(Plugin):
         Cheap: one tiny all-gather per group at the first forward; at every forward with
         ``FP8BOOST_DEBUG_TP_INPUTS=1`` (``fp8boost/parallel/tp/input_guard.py``).
         """
-        groups = replica_groups(self, topo)  # tp, pp and Ulysses sp ranks read one batch
+        groups = replica_groups(topo, self.tp_size, self.pp_size, self.sp_size)  # tp, pp and Ulysses sp ranks read one batch
         return ReplicaInputGuard(groups, device, every_step) if groups else None
 
     def _check_tp_placement(self, dims) -> None:

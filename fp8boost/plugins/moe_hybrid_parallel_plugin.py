@@ -38,6 +38,7 @@ from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert
                                   reduce_moe_gradients, register_ep_hooks, shard_experts)
 from fp8boost.parallel.mesh import ParallelDims
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
+from fp8boost.parallel.sp.setup import replica_groups
 from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.zero import ZeroOptimizer
@@ -49,7 +50,6 @@ from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .hybrid_parallel_plugin import check_custom_policy
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner,
                               checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
-from .hybrid_sp import replica_groups
 from .options import check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper
@@ -252,7 +252,7 @@ class MoeHybridParallelPlugin(Plugin):
             build_runner(model, self.pp_state, self.pipeline, device=device,
                          act_dtype=DTYPES[self.precision], tp_size=self.tp_size,
                          sequence_parallel=False, comm_plan=self.comm_plan)
-        groups = replica_groups(self, topo)  # the tp and pp ranks of a replica read one batch
+        groups = replica_groups(topo, self.tp_size, self.pp_size, self.sp_size)  # the tp and pp ranks of a replica read one batch
         self.input_guard = ReplicaInputGuard(groups, device, self._debug_inputs) \
             if groups else None
         return model

@@ -1,4 +1,4 @@
-"""HybridParallelPlugin's sequence-parallel wiring: argument checks and the Ulysses setup.
+"""The hybrid plugins' sequence-parallel setup: argument checks, Ulysses wiring and groups.
 
 Two modes, as in Colossal-AI:
 
@@ -13,6 +13,8 @@ Two modes, as in Colossal-AI:
 
 ``"ring_attn"``/``"ring"`` are refused (ValueError naming all_to_all). Without
 ``enable_sequence_parallelism`` the mode is ignored with one INFO line, as Colossal-AI does.
+The functions take sizes and a topology, not a plugin (``HybridParallelPlugin`` and
+``MoeHybridParallelPlugin`` call them in their setup).
 
 Example:
     >>> check_sp_args(True, "all_to_all", 2, tp_size=1, pp_size=1)
@@ -28,8 +30,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from fp8boost import _state
-from fp8boost.parallel.sp import apply_ulysses, check_ulysses
+from .model import apply_ulysses, check_ulysses
 
+# The plugins' logger: these lines are about a plugin's arguments (and keep their name).
 logger = logging.getLogger("fp8boost.plugins")
 
 SP_MODES = ("split_gather", "all_to_all")
@@ -87,33 +90,31 @@ def check_sp_args(enabled: bool, mode: Optional[str], sp_size: Optional[int], tp
     return mode, sp_size or 1
 
 
-def validate_ulysses(plugin, model) -> None:
+def validate_ulysses(model, sp_size: int, tp_size: int, pp_size: int) -> None:
     """Before any collective: the model's heads split over tp x sp, sp divides the world."""
-    if plugin.sp_size == 1:
+    if sp_size == 1:
         return
-    check_ulysses(model, plugin.sp_size, plugin.tp_size)
+    check_ulysses(model, sp_size, tp_size)
     world = dist.get_world_size() if dist.is_initialized() else None
-    inner = plugin.pp_size * plugin.sp_size * plugin.tp_size
+    inner = pp_size * sp_size * tp_size
     if world is not None and world % inner:
         raise ValueError(f"pp_size x sp_size x tp_size = {inner} must divide the world size "
                          f"({world}); launch a multiple of {inner} processes")
 
 
-def apply_ulysses_to(plugin, model, topo) -> None:
+def apply_ulysses_to(model, topo, sp_size: int, comm_plan) -> None:
     """Route ``model``'s attention through the sp all-to-alls (after the tp split)."""
-    if plugin.sp_size == 1:
-        return
-
-    apply_ulysses(model, topo.group("sp"), plugin.comm_plan)
+    if sp_size > 1:
+        apply_ulysses(model, topo.group("sp"), comm_plan)
 
 
-def zero_group(plugin, topo):
+def zero_group(topo, sp_size: int):
     """The group ZeRO reduces gradients and shards masters over: dp, times sp under Ulysses
     (sp ranks hold the same parameters and different tokens of one batch)."""
-    return topo.flat_group("dp", "sp") if plugin.sp_size > 1 else topo.group("dp")
+    return topo.flat_group("dp", "sp") if sp_size > 1 else topo.group("dp")
 
 
-def replica_groups(plugin, topo) -> list:
+def replica_groups(topo, tp_size: int, pp_size: int, sp_size: int) -> list:
     """The groups whose ranks must be fed the same batch (for ``ReplicaInputGuard``)."""
-    return [topo.group(n) for n, size in (("tp", plugin.tp_size), ("pp", plugin.pp_size),
-                                          ("sp", plugin.sp_size)) if size > 1]
+    return [topo.group(n) for n, size in (("tp", tp_size), ("pp", pp_size), ("sp", sp_size))
+            if size > 1]
