@@ -100,7 +100,7 @@ def launch_from_torch(backend: str = "nccl", seed: int = 1024, verbose: bool = T
 
 def _init_and_seed(backend: str, seed: int, verbose: bool, config: Any) -> None:
     # lazy: fp8boost.plugins loads every plugin (Triton, torch.compile); this module stays light
-    from fp8boost.plugins.distributed import init_distributed
+    from fp8boost.parallel.distributed import init_distributed
 
     logger = get_dist_logger()
     if config is not None:

@@ -15,13 +15,13 @@ from fp8boost.checkpoint_io.dcp import DTensorCheckpointIO
 from fp8boost.checkpoint_io.pretrained import load_remembered
 from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.plan import FP8_RS_REASON
+from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8_reduce_scatter
 from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
 
 from .colossal_args_fsdp import apply_param_init_fn
 from .delayed_amax import reduce_delayed_amax
-from .distributed import broadcast_module
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
 from .wrappers import DTYPES, cast_buffers_, cast_params_

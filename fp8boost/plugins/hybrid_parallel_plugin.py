@@ -25,6 +25,7 @@ from torch import nn
 from fp8boost import _state
 from fp8boost.checkpoint_io.hybrid import HybridCheckpointIO
 from fp8boost.fp8.moe.detect import router_aux_loss_on
+from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.sp.setup import (apply_ulysses_to, check_sp_args, replica_groups,
                                         validate_ulysses, zero_group)
@@ -37,7 +38,6 @@ from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, chec
 from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
-from .distributed import broadcast_module
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 from .wrappers import DTYPES, ModelWrapper

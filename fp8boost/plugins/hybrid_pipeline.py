@@ -31,6 +31,7 @@ from torch import nn
 from fp8boost import _state
 from fp8boost.parallel.comm.config import Fp8CommConfig
 from fp8boost.parallel.comm.plan import CommPlan
+from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRunner,
                                         build_stage_modules, check_pipeline_model,
                                         check_pipeline_options, make_layout, strip_to_rank,
@@ -38,7 +39,6 @@ from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRu
 from fp8boost.parallel.pipeline.split import CausalLMOutputs
 from fp8boost.parallel.pipeline.stage_manager import rank_with
 
-from .distributed import broadcast_module
 from .wrappers import ModelWrapper
 
 

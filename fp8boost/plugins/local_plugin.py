@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost.fp8.backends import warn_once
+from fp8boost.parallel.distributed import default_device
 
-from .distributed import default_device
 from .plugin_base import Plugin
 from .precision import MIXED_PRECISIONS
 

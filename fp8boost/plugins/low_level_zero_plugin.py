@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from fp8boost.parallel.comm.plan import PARAM_GATHER
+from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .colossal_args import loss_scale_args, low_level_zero_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
-from .distributed import broadcast_module
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 

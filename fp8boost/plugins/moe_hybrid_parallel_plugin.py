@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost.checkpoint_io.moe import MoeCheckpointIO
+from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert_split,
                                   counted_elsewhere, expert_params, full_expert_weights,
                                   reduce_moe_gradients, register_ep_hooks, shard_experts)
@@ -45,7 +46,6 @@ from fp8boost.parallel.zero import ZeroOptimizer
 
 from .colossal_args import loss_scale_args, make_scaler
 from .colossal_args_moe import check_moe_layout, moe_args
-from .distributed import broadcast_module
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .hybrid_parallel_plugin import check_custom_policy
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner,

@@ -34,10 +34,10 @@ from fp8boost.checkpoint_io.pretrained import load_remembered
 from fp8boost.loss import install_fused_lm_loss
 from fp8boost.parallel.comm.plan import CommPlan, build_comm_plan
 from fp8boost.parallel.comm.report import CommReport
+from fp8boost.parallel.distributed import default_device, init_distributed
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
 
-from .distributed import default_device, init_distributed
 from .options import OPTION_NAMES, PluginOptions
 from .precision import convert_model, move_and_cast, validate_optimizer, wrap_optimizer
 from .wrappers import DTYPES, ModelWrapper

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import atexit
 import torch.distributed as dist
-from fp8boost.plugins.distributed import init_distributed
+from fp8boost.parallel.distributed import init_distributed
 init_distributed()
 assert dist.is_initialized()
 atexit._run_exitfuncs()  # what interpreter exit runs
@@ -37,7 +37,7 @@ def test_leaving_without_peers_says_so(monkeypatch, caplog):
     import torch.distributed as dist
 
     from fp8boost import _state
-    from fp8boost.plugins import distributed
+    from fp8boost.parallel import distributed
 
     destroyed = []
 

@@ -179,7 +179,7 @@ def _broadcast_case(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from fp8boost.plugins.distributed import broadcast_module
+    from fp8boost.parallel.distributed import broadcast_module
 
     def model_of(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fp8boost.plugins.distributed import leave_process_group
+from fp8boost.parallel.distributed import leave_process_group
 
 __all__ = ["DistCoordinator"]
 

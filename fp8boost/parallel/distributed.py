@@ -23,6 +23,7 @@ from fp8boost import _state
 #: dtypes gloo cannot broadcast: their bytes travel as uint8 instead
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+# Its name from when this lived in plugins/: kept, since users filter logs by it.
 _LOG = logging.getLogger("fp8boost.plugins.distributed")
 
 
@@ -111,7 +112,7 @@ def leave_process_group(group=None) -> None:
     of ``group``.
 
     Example:
-        >>> from fp8boost.plugins.distributed import leave_process_group
+        >>> from fp8boost.parallel.distributed import leave_process_group
         >>> leave_process_group()  # doctest: +SKIP
     """
     if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
