@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from fp8boost.fp8.linear import weights_loaded
+from fp8boost.parallel.fsdp.full_state_dict import sharded_state_dicts
 
 from . import coordination as coord
 from . import hf_sharded as hf
@@ -159,6 +160,7 @@ class DTensorCheckpointIO(CheckpointIO):
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
                         (OPTIM_MARKER,))
 
+    @sharded_state_dicts()  # DCP reads/writes the shards themselves
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
         module, keys = self._optimizer_model(optimizer, None)
         raw = _raw_optimizer(optimizer)
@@ -169,6 +171,7 @@ class DTensorCheckpointIO(CheckpointIO):
             with open(os.path.join(directory, OPTIM_MARKER), "w") as f:
                 json.dump(marker, f, indent=1)
 
+    @sharded_state_dicts()  # DCP reads/writes the shards themselves
     def load_optimizer(self, optimizer, path: str) -> None:
         """Load a ``save_optimizer`` directory written at any world size (DCP reshards)."""
         path = os.fspath(path)
@@ -212,6 +215,7 @@ class DTensorCheckpointIO(CheckpointIO):
         return marker
 
     # ---------------------------------------------------------------- resumable state
+    @sharded_state_dicts()  # DCP reads/writes the shards themselves
     def _write_state(self, tmp: str, model, optimizer, lr_scheduler) -> None:
         """Model and optimizer as ONE DCP checkpoint ``{"model": ..., "optim": ...}``."""
         module = self.plugin.unwrap_model(model)
@@ -225,6 +229,7 @@ class DTensorCheckpointIO(CheckpointIO):
             with open(os.path.join(tmp, STATE_EXTRA), "w") as f:
                 json.dump(_wrapper_state(optimizer), f)
 
+    @sharded_state_dicts()  # DCP reads/writes the shards themselves
     def _read_state(self, path: str, model, optimizer) -> None:
         module = self.plugin.unwrap_model(model)
         state = {"model": _plain(get_model_state_dict(module))}

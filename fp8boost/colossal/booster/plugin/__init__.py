@@ -6,6 +6,8 @@ commit 4f9953be), so ``GeminiPlugin("cuda", ...)``-style positional calls bind a
 there. Keyword calls behave exactly as on ``fp8boost.plugins``. ``HybridParallelPlugin`` and
 ``MoeHybridParallelPlugin`` also answer ``get_checkpoint_io()`` as Colossal-AI's do: a
 ``HybridParallelCheckpointIO`` / ``MoECheckpointIO`` (``fp8boost.colossal.checkpoint_io``).
+``TorchFSDPPlugin`` boosts a model whose ``state_dict()`` holds full plain tensors, as
+Colossal-AI's FSDP1 one does (:mod:`.fsdp1_surface`).
 
 Example:
     >>> from fp8boost.colossal.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
@@ -16,6 +18,8 @@ from fp8boost import plugins as _plugins
 from fp8boost.colossal.checkpoint_io import HybridParallelCheckpointIO, MoECheckpointIO
 from fp8boost.colossal.positional import with_colossal_order
 from fp8boost.plugins import Plugin
+
+from . import fsdp1_surface
 
 ORDERS = MappingProxyType({
     "LowLevelZeroPlugin": (
@@ -101,7 +105,9 @@ HybridParallelPlugin = with_colossal_order(
     methods={"get_checkpoint_io": _colossal_checkpoint_io(HybridParallelCheckpointIO,
                                                           _plugins.HybridParallelPlugin)})
 TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
-TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"])
+# FSDP1's answers on the FSDP2 model: full state dicts, FSDP.full_optim_state_dict (fsdp1_surface)
+TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"],
+                                      methods={"configure": fsdp1_surface.configure})
 MoeHybridParallelPlugin = with_colossal_order(
     _plugins.MoeHybridParallelPlugin, ORDERS["MoeHybridParallelPlugin"],
     methods={"get_checkpoint_io": _colossal_checkpoint_io(MoECheckpointIO,
