@@ -308,7 +308,8 @@ def measure(name: str, args, device: torch.device, rank: int, world_size: int) -
     values = [float(x) for x in losses]
     if cuda:
         train_peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
-        peak, reserved = max(setup_peak, train_peak), torch.cuda.max_memory_reserved(device) / 2 ** 30
+        peak = max(setup_peak, train_peak)
+        reserved = torch.cuda.max_memory_reserved(device) / 2 ** 30
     else:
         import resource  # CPU: the process's peak RSS
         train_peak = peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20

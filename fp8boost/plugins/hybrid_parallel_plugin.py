@@ -248,8 +248,8 @@ class HybridParallelPlugin(Plugin):
         return self._stage_manager
 
     def _check_sp(self, enabled: bool, mode: Optional[str], sp_size: Optional[int]) -> tuple:
-        """(mode, sp mesh size): the rules are in ``parallel/sp/setup.py`` (split_gather on the tp ranks,
-        all_to_all on an sp axis of its own)."""
+        """(mode, sp mesh size): the rules are in ``parallel/sp/setup.py`` (split_gather on the
+        tp ranks, all_to_all on an sp axis of its own)."""
         return check_sp_args(enabled, mode, sp_size, self.tp_size, self.pp_size)
 
     def __repr__(self) -> str:
@@ -321,7 +321,8 @@ class HybridParallelPlugin(Plugin):
             self.tp_state = apply_tp(model, plan, topo.group("tp"),
                                      sequence_parallel=self.sequence_parallelism_mode
                                      == "split_gather", comm_plan=self.comm_plan)
-        apply_ulysses_to(model, topo, self.sp_size, self.comm_plan)  # all_to_all: attention over the sp ranks
+        # all_to_all: attention over the sp ranks
+        apply_ulysses_to(model, topo, self.sp_size, self.comm_plan)
         # Delayed scaling: one amax history on every rank that holds the same layers (with pp,
         # one stage's dp x tp ranks: other stages' reductions must not be matched with ours).
         reduce_delayed_amax(model, self.pp_state.stage_group if self.pp_state else None)
@@ -372,7 +373,8 @@ class HybridParallelPlugin(Plugin):
         Cheap: one tiny all-gather per group at the first forward; at every forward with
         ``FP8BOOST_DEBUG_TP_INPUTS=1`` (``fp8boost/parallel/tp/input_guard.py``).
         """
-        groups = replica_groups(topo, self.tp_size, self.pp_size, self.sp_size)  # tp, pp and Ulysses sp ranks read one batch
+        # tp, pp and Ulysses sp ranks read one batch
+        groups = replica_groups(topo, self.tp_size, self.pp_size, self.sp_size)
         return ReplicaInputGuard(groups, device, every_step) if groups else None
 
     def _check_tp_placement(self, dims) -> None:

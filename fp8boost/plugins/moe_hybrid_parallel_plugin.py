@@ -252,7 +252,8 @@ class MoeHybridParallelPlugin(Plugin):
             build_runner(model, self.pp_state, self.pipeline, device=device,
                          act_dtype=DTYPES[self.precision], tp_size=self.tp_size,
                          sequence_parallel=False, comm_plan=self.comm_plan)
-        groups = replica_groups(topo, self.tp_size, self.pp_size, self.sp_size)  # the tp and pp ranks of a replica read one batch
+        # the tp and pp ranks of a replica read one batch
+        groups = replica_groups(topo, self.tp_size, self.pp_size, self.sp_size)
         self.input_guard = ReplicaInputGuard(groups, device, self._debug_inputs) \
             if groups else None
         return model

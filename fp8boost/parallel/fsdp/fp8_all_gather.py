@@ -122,7 +122,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         # precompute_fp8_all_gather_scales().
         self._precomputed: Optional[tuple[torch.Tensor, torch.Tensor, int, GatherPlan]] = None
         self._plan: Optional[GatherPlan] = None  # fixed at the first all-gather
-        self._cast_impl_cache: Optional[tuple[torch.device, str]] = None  # (device, resolved cast impl)
+        # (device, the cast implementation resolved for it): see _cast_impl
+        self._cast_impl_cache: Optional[tuple[torch.device, str]] = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
