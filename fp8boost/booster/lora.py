@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.plugins.wrappers import ModelWrapper
+from fp8boost.parallel.wrappers import ModelWrapper
 
 __all__ = ["enable_lora", "save_lora_as_pretrained", "is_peft_model", "drop_frozen_params",
            "adapter_state_dict", "whole_param"]

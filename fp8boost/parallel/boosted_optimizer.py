@@ -4,7 +4,7 @@ Every plugin wraps the user's torch optimizer in one of three classes:
 
 * ``ZeroOptimizer`` (:mod:`fp8boost.parallel.zero`): FP32 master weights, optionally sharded
   over data-parallel ranks (ZeRO-1/2); also the single-process master-weight optimizer;
-* ``OptimizerWrapper`` (:mod:`fp8boost.plugins.wrappers`): no master weights (FP32 training);
+* ``OptimizerWrapper`` (:mod:`fp8boost.parallel.wrappers`): no master weights (FP32 training);
 * ``FsdpOptimizer`` (:mod:`fp8boost.parallel.fsdp.optimizer`): over FSDP2's sharded FP32
   parameters.
 

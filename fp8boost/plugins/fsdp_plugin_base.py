@@ -19,12 +19,12 @@ from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8_reduce_scatter
 from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
+from fp8boost.parallel.wrappers import DTYPES, cast_buffers_, cast_params_
 
 from .colossal_args_fsdp import apply_param_init_fn
 from .delayed_amax import reduce_delayed_amax
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
-from .wrappers import DTYPES, cast_buffers_, cast_params_
 
 __all__ = ["FsdpPluginBase", "rebind_optimizer", "FP8_RS_REASON"]  # the reason: parallel/comm/plan
 

@@ -31,6 +31,7 @@ from fp8boost.parallel.sp.setup import (apply_ulysses_to, check_sp_args, replica
                                         validate_ulysses, zero_group)
 from fp8boost.parallel.tp import TpPlan, apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
+from fp8boost.parallel.wrappers import DTYPES, ModelWrapper
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
@@ -40,7 +41,6 @@ from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
-from .wrappers import DTYPES, ModelWrapper
 
 logger = logging.getLogger("fp8boost.plugins")
 PIPELINE_ARGS = ("num_microbatches", "microbatch_size", "num_layers_per_stage")

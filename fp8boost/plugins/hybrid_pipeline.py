@@ -38,8 +38,8 @@ from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRu
                                         tied_embedding)
 from fp8boost.parallel.pipeline.split import CausalLMOutputs
 from fp8boost.parallel.pipeline.stage_manager import rank_with
+from fp8boost.parallel.wrappers import ModelWrapper
 
-from .wrappers import ModelWrapper
 
 
 def _positive(name: str, value) -> Optional[int]:

@@ -42,6 +42,7 @@ from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.sp.setup import replica_groups
 from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
 from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
+from fp8boost.parallel.wrappers import DTYPES, ModelWrapper
 from fp8boost.parallel.zero import ZeroOptimizer
 
 from .colossal_args import loss_scale_args, make_scaler
@@ -52,7 +53,6 @@ from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner,
                               checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .options import check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
-from .wrappers import DTYPES, ModelWrapper
 
 
 def _world_hint() -> int:

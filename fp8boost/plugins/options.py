@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 from fp8boost.fp8.config import Fp8Config
 from fp8boost.loss.causal_lm import FusedLmLossConfig, resolve_fused_lm_loss
 from fp8boost.parallel.comm.config import Fp8CommConfig
+from fp8boost.parallel.wrappers import PRECISIONS
 
-from .wrappers import PRECISIONS
 
 if TYPE_CHECKING:  # the comm package is imported only when FP8 communication is used
     from fp8boost.parallel.comm.config import Fp8CommConfig

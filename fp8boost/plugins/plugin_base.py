@@ -37,10 +37,10 @@ from fp8boost.parallel.comm.report import CommReport
 from fp8boost.parallel.distributed import default_device, init_distributed
 from fp8boost.parallel.fsdp import wiring
 from fp8boost.parallel.mesh import ParallelDims, Topology, device_type_of
+from fp8boost.parallel.wrappers import DTYPES, ModelWrapper
 
 from .options import OPTION_NAMES, PluginOptions
 from .precision import convert_model, move_and_cast, validate_optimizer, wrap_optimizer
-from .wrappers import DTYPES, ModelWrapper
 
 Boosted = tuple  # (model, optimizer, criterion, dataloader, lr_scheduler)
 

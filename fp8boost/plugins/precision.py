@@ -15,16 +15,16 @@ from torch import nn
 from fp8boost import _state
 from fp8boost.fp8 import convert_to_fp8
 from fp8boost.fp8.config import Fp8Config
+from fp8boost.parallel.wrappers import DTYPES, OptimizerWrapper, cast_buffers_, cast_params_
 from fp8boost.parallel.zero import DynamicLossScaler, ZeroOptimizer
 
-from .wrappers import DTYPES, OptimizerWrapper, cast_buffers_, cast_params_
 
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def move_and_cast(model: nn.Module, precision: str, device: torch.device) -> None:
     """Move ``model`` to ``device`` and cast its floating parameters and buffers to
-    ``precision`` (buffers as :func:`~fp8boost.plugins.wrappers.cast_buffers_` says)."""
+    ``precision`` (buffers as :func:`~fp8boost.parallel.wrappers.cast_buffers_` says)."""
     model.to(device)
     if precision != "fp32":
         cast_params_(model, DTYPES[precision])

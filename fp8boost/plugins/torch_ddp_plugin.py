@@ -10,12 +10,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
+from fp8boost.parallel.wrappers import ModelWrapper
 
 from .colossal_args import ddp_args
 from .options import check_bool, check_precision, takes_plugin_options
 from .plugin_base import Plugin
 from .precision import MIXED_PRECISIONS
-from .wrappers import ModelWrapper
 
 
 # No loss-scaling arguments (fp16 scales from PluginOptions' defaults) and no

@@ -16,7 +16,7 @@ from fp8boost.parallel.boosted_optimizer import (BoostedOptimizer, OptimizerProx
                                                  ShardedCheckpointState)
 from fp8boost.parallel.zero import ZeroOptimizer
 from fp8boost.plugins.fsdp_plugin_base import FsdpOptimizer
-from fp8boost.plugins.wrappers import OptimizerWrapper
+from fp8boost.parallel.wrappers import OptimizerWrapper
 
 
 def _zero() -> ZeroOptimizer:

@@ -184,7 +184,7 @@ def _without_master_weights(rank, world):
     """master_weights=False steps BF16 chunks; compared with the same optimizer on one rank."""
     from fp8boost.booster import Booster
     from fp8boost.parallel.zero import ZeroOptimizer
-    from fp8boost.plugins.wrappers import ModelWrapper
+    from fp8boost.parallel.wrappers import ModelWrapper
     losses, weights, (_, _, opt) = _run(_plugin("zero2", "bf16", False, master_weights=False),
                                         rank, world)
     assert all(m.dtype == torch.bfloat16 for m in opt.masters)

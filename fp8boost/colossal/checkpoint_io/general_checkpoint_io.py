@@ -22,8 +22,9 @@ from torch import nn
 from fp8boost.booster import Booster
 from fp8boost.checkpoint_io import coordination as coord
 from fp8boost.checkpoint_io.single_file import is_file_target
+from fp8boost.parallel import wrappers
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy, ShardedCheckpointState
-from fp8boost.plugins import Plugin, wrappers
+from fp8boost.plugins import Plugin
 
 __all__ = ["GeneralCheckpointIO"]
 

@@ -1,7 +1,7 @@
 """``colossalai.interface.model``: ``ModelWrapper`` and ``AMPModelMixin``, the classes of
 boosted models.
 
-Every model ``booster.boost`` returns is fp8boost's ``plugins.wrappers.ModelWrapper`` (or a
+Every model ``booster.boost`` returns is fp8boost's ``parallel.wrappers.ModelWrapper`` (or a
 subclass): ``module`` is the engine-wrapped model, ``unwrap()`` the user's own object. These
 classes make ``isinstance`` say so through an ABC subclass hook (nothing registered at import).
 """
@@ -11,7 +11,7 @@ from abc import ABCMeta
 
 from torch import nn
 
-from fp8boost.plugins import wrappers
+from fp8boost.parallel import wrappers
 
 __all__ = ["ModelWrapper", "AMPModelMixin"]
 

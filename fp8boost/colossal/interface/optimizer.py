@@ -12,7 +12,7 @@ from abc import ABCMeta
 import torch
 
 from fp8boost.parallel.boosted_optimizer import OptimizerProxy
-from fp8boost.plugins import wrappers
+from fp8boost.parallel import wrappers
 
 __all__ = ["OptimizerWrapper"]
 

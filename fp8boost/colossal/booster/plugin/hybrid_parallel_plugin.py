@@ -13,7 +13,7 @@ from typing import Any
 from fp8boost import plugins as _plugins
 from fp8boost.colossal.booster.plugin import HybridParallelPlugin
 from fp8boost.colossal.interface import AMPModelMixin, ModelWrapper
-from fp8boost.plugins import wrappers
+from fp8boost.parallel import wrappers
 
 __all__ = ["HybridParallelPlugin", "HybridParallelModule"]
 
