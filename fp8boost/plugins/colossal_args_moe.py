@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fp8boost.parallel.pipeline.hybrid import check_pipeline_args
 from fp8boost.parallel.sp.setup import check_sp_args
 
 from .colossal_args import check_bools, hybrid_args, log_info
-from .hybrid_pipeline import check_pipeline_args
 
 PLUGIN = "moe_hybrid"  # log keys: colossal-args.moe_hybrid.<argument>
 NOT_IMPLEMENTED = "MoeHybridParallelPlugin runs dp x pp x ep x tp (no sequence parallelism)"
@@ -47,7 +47,7 @@ class MoeColossalArgs:
     gradient_checkpoint_config: Any = None
     """The ``GradientCheckpointConfig`` applied at ``boost`` (``plugins/grad_ckpt.py``)."""
     pipeline: Any = None
-    """``hybrid_pipeline.PipelineOptions`` (None when ``pp_size == 1``)."""
+    """``parallel.pipeline.hybrid.PipelineOptions`` (None when ``pp_size == 1``)."""
 
 
 def check_moe_layout(*, tp_size: int, pp_size: int, ep_size: int, zero_stage: int,

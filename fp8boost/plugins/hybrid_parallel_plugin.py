@@ -8,7 +8,7 @@ rank's shard with scales taken from the whole tensor (amax all-reduced over tp w
 operand is split), so a tp run casts exactly as one process would.
 
 Order of application (fixed, as in torchtitan): [pipeline split: each rank keeps its stages'
-layers, see ``hybrid_pipeline.py``] -> move/cast to ``precision`` -> FP8 conversion (layer
+layers, see ``parallel/pipeline/hybrid.py``] -> move/cast to ``precision`` -> FP8 conversion (layer
 choice on the full layer, so it does not depend on tp) -> broadcast (from rank 0; with pp from
 each stage's lowest rank) -> tensor parallel split -> ZeRO over dp.
 """
@@ -26,6 +26,9 @@ from fp8boost import _state
 from fp8boost.checkpoint_io.hybrid import HybridCheckpointIO
 from fp8boost.fp8.moe.detect import router_aux_loss_on
 from fp8boost.parallel.distributed import broadcast_module
+from fp8boost.parallel.pipeline.hybrid import (PipelineModel, broadcast_stage, build_runner,
+                                               check_pipeline_args, checked_execute_pipeline,
+                                               pipeline_layout, stage_plan, strip_model)
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.sp.setup import (apply_ulysses_to, check_sp_args, replica_groups,
                                         validate_ulysses, zero_group)
@@ -34,8 +37,6 @@ from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.wrappers import DTYPES, ModelWrapper
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner, check_pipeline_args,
-                              checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
@@ -417,8 +418,9 @@ class HybridParallelPlugin(Plugin):
             >>> out = booster.execute_pipeline(it, model, optimizer=optimizer) # doctest: +SKIP
             >>> optimizer.step(); optimizer.zero_grad()                        # doctest: +SKIP
         """
-        return checked_execute_pipeline(self, data_iter, model, criterion, optimizer,
-                                        return_loss, return_outputs)
+        seq_divisor = self.tp_size if self.enable_sequence_parallelism else 1
+        return checked_execute_pipeline(self.pp_state, self.input_guard, seq_divisor, data_iter,
+                                        model, criterion, optimizer, return_loss, return_outputs)
 
     def _tied_copy(self) -> list:
         """The last stage's copy of a tied embedding (the first stage counts it in the norm)."""

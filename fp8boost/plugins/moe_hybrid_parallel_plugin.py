@@ -11,7 +11,7 @@ keep every MoE block (router, experts, shared experts) whole (``TpPlan.replicate
 ``ep`` the fused experts are sliced, ``E/ep`` per rank, with the token dispatch and combine
 over the ep group of the rank's tp index (:mod:`fp8boost.parallel.ep`). Gradient scaling:
 :mod:`fp8boost.parallel.ep.grads`. With ``pp_size > 1`` the pipeline is
-``HybridParallelPlugin``'s (``hybrid_pipeline``: the stage split, the runner,
+``HybridParallelPlugin``'s (``parallel/pipeline/hybrid.py``: the stage split, the runner,
 ``execute_pipeline``), each stage's experts sliced over its own ep group.
 
 This file is the strategy: which step runs when, over which group; the steps live in
@@ -38,6 +38,9 @@ from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert
                                   counted_elsewhere, expert_params, full_expert_weights,
                                   reduce_moe_gradients, register_ep_hooks, shard_experts)
 from fp8boost.parallel.mesh import ParallelDims
+from fp8boost.parallel.pipeline.hybrid import (PipelineModel, broadcast_stage, build_runner,
+                                               checked_execute_pipeline, pipeline_layout,
+                                               stage_plan, strip_model)
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.sp.setup import replica_groups
 from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
@@ -49,8 +52,6 @@ from .colossal_args import loss_scale_args, make_scaler
 from .colossal_args_moe import check_moe_layout, moe_args
 from .grad_ckpt import apply_checkpointing, plan_checkpointing
 from .hybrid_parallel_plugin import check_custom_policy
-from .hybrid_pipeline import (PipelineModel, broadcast_stage, build_runner,
-                              checked_execute_pipeline, pipeline_layout, stage_plan, strip_model)
 from .options import check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
 
@@ -185,7 +186,7 @@ class MoeHybridParallelPlugin(Plugin):
                                                      self.fp8_communication)
         self.tp_size, self.pp_size, self.ep_size = tp_size, pp_size, ep_size
         self.zero_stage, self.pipeline = zero_stage, self.colossal.pipeline
-        self.enable_sequence_parallelism = False  # read by the shared pipeline step
+        self.enable_sequence_parallelism = False  # Colossal-AI's attribute (sp is refused)
         self.moe_dp_outside, self.custom_policy, self.cpu_offload = \
             moe_dp_outside, custom_policy, cpu_offload
         self.ep_group = self.moe_dp_group = self.norm_group = None
@@ -222,7 +223,7 @@ class MoeHybridParallelPlugin(Plugin):
 
     def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
         """``gradient_checkpoint_config`` picks the decoder layers that recompute; with
-        ``pp_size > 1`` keep this rank's pipeline stages (``hybrid_pipeline.strip_model``,
+        ``pp_size > 1`` keep this rank's pipeline stages (``parallel.pipeline.hybrid.strip_model``,
         dropping the others' parameters from ``optimizer``); then move and cast
         (``Plugin.build_model``)."""
         apply_checkpointing(model, self._ckpt_flags)
@@ -344,8 +345,10 @@ class MoeHybridParallelPlugin(Plugin):
 
         old, self._sync = self._sync, False  # the per-parameter ep hooks wait for reduce()
         try:
-            return checked_execute_pipeline(self, data_iter, model, criterion, optimizer,
-                                            return_loss, return_outputs, reduce)
+            # no sequence parallelism here: any sequence length splits into micro-batches
+            return checked_execute_pipeline(self.pp_state, self.input_guard, 1, data_iter,
+                                            model, criterion, optimizer, return_loss,
+                                            return_outputs, reduce)
         finally:
             self._sync = old
 

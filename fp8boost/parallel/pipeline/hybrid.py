@@ -1,4 +1,7 @@
-"""Pipeline parallelism inside ``HybridParallelPlugin``: options, setup, ``execute_pipeline``.
+"""Pipeline parallelism inside the hybrid plugins: options, setup, ``execute_pipeline``.
+
+``HybridParallelPlugin`` and ``MoeHybridParallelPlugin`` call these steps; they take the
+plugin's sizes and state, not the plugin.
 
 Setup order at ``boost`` (pp_size > 1):
 
@@ -29,17 +32,17 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8boost import _state
-from fp8boost.parallel.comm.config import Fp8CommConfig
-from fp8boost.parallel.comm.plan import CommPlan
-from fp8boost.parallel.distributed import broadcast_module
-from fp8boost.parallel.pipeline import (BoundaryPlan, PipelineLayout, PipelineRunner,
-                                        build_stage_modules, check_pipeline_model,
-                                        check_pipeline_options, make_layout, strip_to_rank,
-                                        tied_embedding)
-from fp8boost.parallel.pipeline.split import CausalLMOutputs
-from fp8boost.parallel.pipeline.stage_manager import rank_with
-from fp8boost.parallel.wrappers import ModelWrapper
 
+from ..comm.config import Fp8CommConfig
+from ..comm.plan import CommPlan
+from ..distributed import broadcast_module
+from ..wrappers import ModelWrapper
+from .boundary import BoundaryPlan
+from .layout import PipelineLayout, check_pipeline_options, make_layout
+from .runner import PipelineRunner
+from .split import (CausalLMOutputs, build_stage_modules, check_pipeline_model, strip_to_rank,
+                    tied_embedding)
+from .stage_manager import rank_with
 
 
 def _positive(name: str, value) -> Optional[int]:
@@ -239,35 +242,37 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def checked_execute_pipeline(plugin, data_iter, model, criterion, optimizer, return_loss: bool,
+def checked_execute_pipeline(state: Optional[PipelineState], input_guard, seq_divisor: int,
+                             data_iter, model, criterion, optimizer, return_loss: bool,
                              return_outputs: bool, reduce_gradients=None) -> dict:
-    """``plugin.execute_pipeline`` for a plugin with ``pp_state`` and ``input_guard`` (the
-    hybrid plugins): refuses a plugin without pipeline, compares the batch of the replica's
-    ranks when the guard is active, then runs :func:`execute_pipeline`.
+    """A hybrid plugin's ``execute_pipeline``: refuses a plugin without pipeline (``state``
+    None), compares the batch of the replica's ranks when ``input_guard`` is active, then runs
+    :func:`execute_pipeline`.
 
     Raises:
-        ValueError: ``plugin.pp_state`` is None (pp_size=1 or not boosted).
+        ValueError: ``state`` is None (pp_size=1 or not boosted).
     """
-    state = plugin.pp_state
     if state is None:
         raise ValueError("execute_pipeline needs pp_size > 1 and a boosted model; with "
                          "pp_size=1 call model(...) and booster.backward(loss, optimizer)")
-    guard = plugin.input_guard
-    if guard is not None and guard.active:
+    if input_guard is not None and input_guard.active:
         # Every rank of the pipeline reads its own copy of the batch: compare them.
         data_iter = data_iter if isinstance(data_iter, dict) else next(data_iter)
         if isinstance(data_iter, dict):  # else execute_pipeline raises its own error
-            guard.check((), data_iter)
-    return execute_pipeline(plugin, state, data_iter, model, criterion, optimizer,
+            input_guard.check((), data_iter)
+    return execute_pipeline(state, seq_divisor, data_iter, model, criterion, optimizer,
                             return_loss, return_outputs, reduce_gradients)
 
 
-def execute_pipeline(plugin, state: PipelineState, data_iter, model, criterion, optimizer,
-                     return_loss: bool, return_outputs: bool, reduce_gradients=None) -> dict:
+def execute_pipeline(state: PipelineState, seq_divisor: int, data_iter, model, criterion,
+                     optimizer, return_loss: bool, return_outputs: bool,
+                     reduce_gradients=None) -> dict:
     """``HybridParallelPlugin.execute_pipeline`` (see there).
 
-    ``reduce_gradients``: called once after the schedule (and the tied-embedding sum) to
-    reduce the accumulated gradients over dp; None: ``optimizer.reduce_gradients``.
+    ``seq_divisor``: what the sequence length must divide by (tp_size under sequence
+    parallelism, else 1). ``reduce_gradients``: called once after the schedule (and the
+    tied-embedding sum) to reduce the accumulated gradients over dp; None:
+    ``optimizer.reduce_gradients``.
     """
     batch = data_iter if isinstance(data_iter, dict) else next(data_iter)
     if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -275,9 +280,9 @@ def execute_pipeline(plugin, state: PipelineState, data_iter, model, criterion, 
                          f"with 'input_ids' (and 'labels' for the default criterion), got "
                          f"{type(batch).__name__}")
     seq = batch["input_ids"].shape[1]
-    if plugin.enable_sequence_parallelism and seq % plugin.tp_size:
+    if seq % seq_divisor:
         raise ValueError(f"sequence parallelism needs the sequence length ({seq}) divisible "
-                         f"by tp_size={plugin.tp_size}")
+                         f"by tp_size={seq_divisor}")
     batch = _to_device(batch, state.runner.device)
     backward = optimizer is not None and torch.is_grad_enabled()
     if criterion is None:
