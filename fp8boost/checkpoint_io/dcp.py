@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from fp8boost.fp8.linear import weights_loaded
-from fp8boost.parallel.fsdp.full_state_dict import sharded_state_dicts
+from fp8boost.parallel.fsdp.full_state_dict import local_of, sharded_state_dicts
 
 from . import coordination as coord
 from . import hf_sharded as hf
@@ -64,12 +64,12 @@ def _plain(obj):
     if not torch.is_tensor(obj):
         return obj
     if hf.is_dtensor(obj):
-        local = hf.local_of(obj)
+        local = local_of(obj)
         if local is obj._local_tensor:
             return obj
         return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                   shape=obj.shape, stride=obj.stride())
-    return hf.local_of(obj)
+    return local_of(obj)
 
 
 def _raw_optimizer(optimizer) -> torch.optim.Optimizer:

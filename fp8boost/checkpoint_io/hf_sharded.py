@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fp8boost.parallel.fsdp.full_state_dict import local_of
+
 from .atomic import require
 from .formats import MODEL_INDEX, MODEL_SINGLE
 from .model_io import check_keys, dedup_state_dict, plan_shards, storage_key
@@ -40,15 +42,6 @@ _ST_DTYPES = MappingProxyType({
 def is_dtensor(t: torch.Tensor) -> bool:
     # Duck-typed: importing torch.distributed.tensor costs seconds, and plain models never need it.
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns this rank's data: the local shard, unwrapped from weight
-    subclasses (FP8 all-gather weights keep the real storage in ``inner_tensor``)."""
-    local = t._local_tensor if is_dtensor(t) else t
-    if type(local) not in (torch.Tensor, nn.Parameter) and hasattr(local, "inner_tensor"):
-        local = local.inner_tensor
-    return local
 
 
 def gatherable(t: torch.Tensor) -> torch.Tensor:

@@ -133,12 +133,20 @@ def resolve_cast_impl(cfg: Fp8CommConfig, device: torch.device) -> str:
     ``auto`` picks Triton on sm89+ GPUs only after a one-time self-test on that device (compile,
     then bytes equal to the torch reference); if it fails, the torch ops are used and the
     reason is logged once. An explicit ``triton`` is used as asked.
+
+    The answer is kept per (setting, device, interpreter on or off): hot paths ask it once per
+    weight per all-gather, and reading the device's capability each time cost ~20 us of CPU.
     """
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _state.probe(("comm-cast-impl", cfg.cast_impl, device, interpreting),
+                        lambda: _resolve_cast_impl(cfg.cast_impl, device, interpreting))
+
+
+def _resolve_cast_impl(cast_impl: str, device: torch.device, interpreting: bool) -> str:
     fp8_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    if cfg.cast_impl == "torch":
+    if cast_impl == "torch":
         return "torch"
-    if cfg.cast_impl == "triton":
+    if cast_impl == "triton":
         if fp8_gpu or (interpreting and device.type == "cpu"):
             return "triton"
         raise ValueError(f"Fp8CommConfig.cast_impl='triton' needs a CUDA GPU with FP8 support "

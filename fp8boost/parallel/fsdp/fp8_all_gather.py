@@ -122,8 +122,6 @@ class Fp8AllGatherWeight(torch.Tensor):
         # precompute_fp8_all_gather_scales().
         self._precomputed: Optional[tuple[torch.Tensor, torch.Tensor, int, GatherPlan]] = None
         self._plan: Optional[GatherPlan] = None  # fixed at the first all-gather
-        # (device, the cast implementation resolved for it): see _cast_impl
-        self._cast_impl_cache: Optional[tuple[torch.device, str]] = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -200,7 +198,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         if n:
             cast_rows_into(local.contiguous().view(1, n), scale.reshape(1),
                            data.view(-1)[:n].view(1, n), plan.fp8_dtype,
-                           power_of_2=plan.power_of_2, impl=_cast_impl(owner, local.device))
+                           power_of_2=plan.power_of_2,
+                           impl=resolve_cast_impl(self._config, local.device))
         return (data,), (inv, plan)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -256,14 +255,6 @@ class _PreAllGatherHook:
 
 Fp8AllGatherWeight.fsdp_pre_all_gather = _PreAllGatherHook(
     Fp8AllGatherWeight.fsdp_pre_all_gather)
-
-
-def _cast_impl(owner: Fp8AllGatherWeight, device: torch.device) -> str:
-    """The cast implementation for ``device``, resolved once per weight (it reads the
-    environment and the device's capability: not per all-gather)."""
-    if owner._cast_impl_cache is None or owner._cast_impl_cache[0] != device:
-        owner._cast_impl_cache = (device, resolve_cast_impl(owner._config, device))
-    return owner._cast_impl_cache[1]
 
 
 def _owner(weight: Fp8AllGatherWeight, module: Optional[nn.Module]) -> Fp8AllGatherWeight:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["enable_full_state_dict", "sharded_state_dicts", "full_state_dict_enabled"]
+__all__ = ["enable_full_state_dict", "sharded_state_dicts", "full_state_dict_enabled", "local_of",
+           "full_of", "shard_like"]
 
 _MARK = "_fp8boost_full_state_dict"
 # A context variable, not a module attribute: DCP's helpers call state_dict() on whatever
@@ -71,20 +72,39 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    """DTensor ``value`` gathered into a plain tensor on the device of its shard.
-
-    Weight subclasses (FP8 all-gather weights) keep their data in ``inner_tensor``; the
-    collective runs on the mesh's device (a CPU-offloaded shard of a CUDA mesh moves there).
-    """
-    local = value._local_tensor
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns this rank's data: the local shard of a DTensor (else ``t``),
+    unwrapped from weight subclasses (FP8 all-gather weights keep it in ``inner_tensor``)."""
+    local = t._local_tensor if _is_dtensor(t) else t
     if type(local) not in (torch.Tensor, nn.Parameter) and hasattr(local, "inner_tensor"):
         local = local.inner_tensor
+    return local
+
+
+def full_of(value):
+    """A DTensor gathered into a plain tensor on the device of its shard (collective); else
+    ``value``. The gather runs on the mesh's device (a CPU-offloaded shard of a CUDA mesh
+    moves there) and sees through weight subclasses."""
+    if not _is_dtensor(value):
+        return value
+    local = local_of(value)
     device = local.device
     local = local.detach().to(value.device_mesh.device_type)
     gatherable = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                                     shape=value.shape, stride=value.stride())
     return gatherable.full_tensor().to(device)
+
+
+def shard_like(value, param: Optional[torch.Tensor]):
+    """A plain tensor at DTensor ``param``'s full shape, cut to this rank's piece of it (a
+    DTensor laid out as ``param``; local, nothing is communicated); anything else as it is
+    (a wrong shape is left for ``load_state_dict`` to report)."""
+    if (not _is_dtensor(param) or _is_dtensor(value) or not torch.is_tensor(value)
+            or value.shape != param.shape):
+        return value
+    mesh = param.device_mesh
+    return distribute_tensor(value.detach().to(mesh.device_type), mesh, param.placements,
+                             src_data_rank=None)  # every rank holds the full tensor
 
 
 def _gather_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -94,8 +114,8 @@ def _gather_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     # The same keys in the same order on every rank: the gathers pair up.
     for key in [k for k in state_dict if k.startswith(prefix)]:
         value = state_dict[key]
-        if _is_dtensor(value) and not isinstance(value, nn.Parameter):
-            state_dict[key] = _full(value)
+        if not isinstance(value, nn.Parameter):
+            state_dict[key] = full_of(value)
 
 
 def _shard_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict,
@@ -107,10 +127,6 @@ def _shard_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata
     for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
-        if (not _is_dtensor(param) or not torch.is_tensor(value) or _is_dtensor(value)
-                or value.shape != param.shape):
-            continue  # a wrong shape is left for load_state_dict to report, as it would
-        mesh = param.device_mesh
-        shard = distribute_tensor(value.detach().to(mesh.device_type), mesh, param.placements,
-                                  src_data_rank=None)  # every rank holds the full tensor
-        state_dict[key] = shard.to(param.device)
+        shard = shard_like(value, param)
+        if shard is not value:
+            state_dict[key] = shard.to(param.device)

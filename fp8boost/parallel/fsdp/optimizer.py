@@ -17,12 +17,12 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp8boost.parallel.boosted_optimizer import DirectOptimizerProxy
 from fp8boost.parallel.zero.loss_scaler import DynamicLossScaler
 
 from .fp8_all_gather import precompute_fp8_all_gather_scales
+from .full_state_dict import full_of, shard_like
 
 __all__ = ["FsdpOptimizer"]
 
@@ -164,7 +164,7 @@ class FsdpOptimizer(DirectOptimizerProxy):
         state = {}
         for index in sorted(out["state"]):  # sorted: the same gathers in the same order on
             entry = out["state"][index]       # every rank
-            state[index] = {key: _full(entry[key]) for key in sorted(entry)}
+            state[index] = {key: full_of(entry[key]) for key in sorted(entry)}
         return {**out, "state": state}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
@@ -178,32 +178,6 @@ class FsdpOptimizer(DirectOptimizerProxy):
         state = {}
         for index, entry in state_dict["state"].items():
             param = params.get(index)
-            state[index] = {key: _shard_like(value, param) if key != "step" else value
+            state[index] = {key: shard_like(value, param) if key != "step" else value
                             for key, value in entry.items()}
         super().load_state_dict({**state_dict, "state": state})
-
-
-def _full(value):
-    """A DTensor gathered into a plain tensor on its own device (collective); else ``value``.
-
-    Under CPU offload the shards live on the CPU while the mesh may be NCCL's: the gather then
-    runs on the mesh's device.
-    """
-    if not isinstance(value, DTensor):
-        return value
-    device = value.device
-    if device.type != value.device_mesh.device_type:
-        value = value.to(value.device_mesh.device_type)
-    return value.full_tensor().to(device)
-
-
-def _shard_like(value, param: Optional[torch.Tensor]):
-    """A plain tensor at DTensor ``param``'s full shape, cut to this rank's piece of it (a
-    DTensor laid out as ``param``); anything else as it is."""
-    if (not isinstance(param, DTensor) or isinstance(value, DTensor)
-            or not torch.is_tensor(value) or value.shape != param.shape):
-        return value
-    mesh = param.device_mesh
-    return distribute_tensor(value.detach().to(mesh.device_type), mesh, param.placements,
-                             src_data_rank=None)
-

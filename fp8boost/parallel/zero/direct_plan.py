@@ -168,10 +168,8 @@ class ZeroDirectPlan:
         self.config = config if config is not None else Fp8CommConfig()
         self.slot = {w.index: j for j, w in enumerate(weights)}  # param index -> amax entry
         # This step's inverse scales, one aligned 0-dim tensor per weight (made once per
-        # global_scales result, not one reciprocal launch per weight), and the cast
-        # implementation per device: both were per-weight CPU work at every step's end.
+        # global_scales result, not one reciprocal launch per weight at every step's end).
         self._invs: tuple = (None, ())
-        self._impl: dict[torch.device, str] = {}
         self.block_slot = {w.index: w for w in self.blocks}
         # Weights sharing a scale rule get their scales from one vectorised call.
         self._rules: dict[tuple, list[int]] = {}
@@ -214,12 +212,8 @@ class ZeroDirectPlan:
         j = self.slot[index]
         src = master.to(out_u8.device, non_blocking=True).reshape(1, -1)
         cast_rows_into(src, scales[j:j + 1], out_u8.view(1, -1), w.plan.fp8_dtype,
-                       power_of_2=w.plan.power_of_2, impl=self._cast_impl(out_u8.device))
-
-    def _cast_impl(self, device: torch.device) -> str:
-        if device not in self._impl:
-            self._impl[device] = resolve_cast_impl(self.config, device)
-        return self._impl[device]
+                       power_of_2=w.plan.power_of_2,
+                       impl=resolve_cast_impl(self.config, out_u8.device))
 
     def _inverse(self, j: int, scales: torch.Tensor) -> torch.Tensor:
         """Weight ``j``'s inverse scale from this step's ``scales`` (all made at first use)."""
@@ -241,7 +235,7 @@ class ZeroDirectPlan:
         fill(data.view(-1))
         j = self.slot[index]
         inv = self._inverse(j, scales)
-        impl = self._cast_impl(param.device)
+        impl = resolve_cast_impl(self.config, param.device)
         if param.is_contiguous():
             decode_rows_into(data, inv.reshape(1), w.plan.fp8_dtype, param.detach().view(1, -1),
                              power_of_2=w.plan.power_of_2, impl=impl)
