@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -34,7 +35,9 @@ def _worker(fn, rank, world_size, init_file, queue, args, backend="gloo"):
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         dist.barrier()  # no rank tears its group down while a peer is still using it
-        queue.put((rank, "ok", result))
+        # By value (plain pickle), not torch's shared-memory handles: a handle points into this
+        # process, which may exit before the parent reads it (FileNotFoundError there).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -64,7 +67,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0,
                     rank, status, payload = queue.get()
                     if status == "error":
                         raise AssertionError(f"rank {rank} failed:\n{payload}")
-                    results[rank] = payload
+                    results[rank] = pickle.loads(payload)
                     continue
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and queue.empty():
