@@ -15,7 +15,7 @@ import time):
   (backend name -> backend instance), ``"fp8.shared_cast"`` (the last shared input cast),
   ``"zero.fused_step.steps"`` (each master's step count as a float),
   ``"colossal-fp8-ddp-hook-states"`` (``fp8boost.colossal.quantization``'s DDP hook state per
-  process group);
+  process group), ``"loss.chunk_ops"`` (the fused loss's compiled per-chunk functions);
 * tracked objects (``track``): objects that hold process-wide state of their own and clear it
   in their ``clear()`` method, held weakly (the kernel config caches,
   ``fp8.kernels.tuning.ConfigCache``: every instance, including ones a test builds);

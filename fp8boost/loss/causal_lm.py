@@ -38,6 +38,7 @@ from torch import nn
 from fp8boost import _state
 from fp8boost.fp8.record import recorded_linear
 
+from .fp8_head import HEAD_RECIPES
 from .linear_cross_entropy import VocabParallel, chunked_linear_cross_entropy
 
 __all__ = ["FusedLmLossConfig", "FusedLossForward", "HeadRecipe", "head_recipe",
@@ -68,11 +69,19 @@ class FusedLmLossConfig:
     chunk_size: Optional[int] = None
     """Tokens per chunk; None: about 2**27 logits at once (1024 tokens at a 128k vocabulary,
     ``auto_chunk_size``). Larger chunks: fewer weight-gradient updates, more memory."""
+    fp8_recipe: Optional[str] = None
+    """``"rowwise"`` or ``"blockwise"``: the head's logits and input-gradient GEMMs in FP8 with
+    that recipe's scales, the weight gradient in BF16 (:mod:`fp8boost.loss.fp8_head`); None
+    (default): the head's GEMMs in the training dtype. Independent of ``use_fp8``: layer
+    conversion never makes the lm_head FP8 by default."""
 
     def __post_init__(self) -> None:
         c = self.chunk_size
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"chunk_size must be an int >= 1 or None (auto), got {c!r}")
+        if self.fp8_recipe is not None and self.fp8_recipe not in HEAD_RECIPES:
+            raise ValueError(f"fp8_recipe must be None or one of {HEAD_RECIPES}, got "
+                             f"{self.fp8_recipe!r}")
 
 
 def resolve_fused_lm_loss(value: object) -> Optional[FusedLmLossConfig]:
@@ -81,7 +90,7 @@ def resolve_fused_lm_loss(value: object) -> Optional[FusedLmLossConfig]:
     Example:
         >>> from fp8boost.loss import resolve_fused_lm_loss
         >>> resolve_fused_lm_loss(True), resolve_fused_lm_loss(False)
-        (FusedLmLossConfig(chunk_size=None), None)
+        (FusedLmLossConfig(chunk_size=None, fp8_recipe=None), None)
     """
     if isinstance(value, FusedLmLossConfig):
         return value
@@ -286,7 +295,7 @@ class FusedLossForward:
             bias=head.bias, ignore_index=ignore_index, chunk_size=self.config.chunk_size,
             reduction="mean" if num_items_in_batch is None else "sum",
             num_items_in_batch=num_items_in_batch, logit_scale=self.recipe.logit_scale,
-            softcap=self.recipe.softcap, vocab_parallel=vp)
+            softcap=self.recipe.softcap, vocab_parallel=vp, fp8_recipe=self.config.fp8_recipe)
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
@@ -350,8 +359,9 @@ def install_fused_lm_loss(model: nn.Module, setting: object = True, *,
     if config is not None and recorded_linear(hf.lm_head):
         _state.warn_once(("fused-lm-loss-fp8-head", name),
                          f"fp8boost: {name}'s lm_head runs in FP8, so its loss is not fused with "
-                         "it (the chunked linear + cross-entropy computes its GEMMs in the "
-                         "training dtype); the full logits are built as HF does")
+                         "it; the full logits are built as HF does. For an FP8 head with the "
+                         "fused loss keep lm_head out of FP8 conversion and pass "
+                         "fused_lm_loss=FusedLmLossConfig(fp8_recipe='rowwise')")
         return "its lm_head is an FP8 layer"
     why = "fused_lm_loss=False" if config is None else blocked_by
     if why is None:

@@ -8,7 +8,9 @@ accumulation), their log-sum-exp and the target's logit in FP32, the loss, and r
 gradient of the logits, which it turns into the chunk's rows of ``dL/dhidden`` and adds to
 ``dL/dweight`` (and ``dL/dbias``). The chunk's logits are then dropped. Backward only scales the
 stored gradients by the incoming gradient. Extra memory: ``chunk_size x vocab`` per chunk
-instead of ``tokens x vocab``, and nothing of that size is saved for backward.
+instead of ``tokens x vocab``, and nothing of that size is saved for backward. The chunk's
+elementwise work (log-sum-exp, target logit, gradient) is :mod:`fp8boost.loss.chunk_ops`,
+compiled on CUDA into three passes over the BF16 logits.
 
 The rounding follows HF's BF16 path: logits rounded to the input dtype by their GEMM, softmax in
 FP32, the logits' gradient (already divided by the token count, as HF's backward does) rounded
@@ -31,6 +33,9 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from . import chunk_ops
+from .fp8_head import Fp8Head, head_config
 
 __all__ = ["VocabParallel", "chunked_linear_cross_entropy", "auto_chunk_size",
            "CHUNK_ELEMENTS"]
@@ -91,26 +96,16 @@ def _check(hidden, weight, labels, bias, chunk_size, reduction) -> None:
         raise ValueError(f"chunk_size must be an int >= 1 or None (auto), got {chunk_size!r}")
 
 
-def _logits(h, weight, bias, logit_scale: float, softcap: Optional[float]):
-    """FP32 logits of one chunk after the model's transforms, and ``d logits / d GEMM output``
-    (None: 1; a float: the scale; a tensor under softcap); the GEMM runs in the input dtype."""
-    z = F.linear(h, weight, bias).float()
-    if logit_scale != 1.0:
-        z.mul_(logit_scale)
-    if softcap is None:
-        return z, (logit_scale if logit_scale != 1.0 else None)
-    t = z.div_(softcap).tanh_()
-    slope = (1.0 - t * t).mul_(logit_scale)  # d/dx of softcap * tanh(scale * x / softcap)
-    return t.mul_(softcap), slope
+def _gemm(h, weight, bias, head: Optional[Fp8Head]) -> torch.Tensor:
+    """The chunk's lm_head GEMM, its result in the input dtype (BF16, or FP8 with ``head``)."""
+    return head.logits(h, bias) if head is not None else F.linear(h, weight, bias)
 
 
-def _lse_and_target(z, target, on_slice, group):
-    """Per token: log-sum-exp over the (whole) vocabulary and the target's logit."""
-    picked = torch.where(on_slice, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
-    lse = torch.logsumexp(z, dim=1)
+def _all_tokens(lse, picked, group):
+    """Per token: log-sum-exp over the whole vocabulary and the target's logit, from every
+    rank's slice (one collective per chunk)."""
     if group is None:
         return lse, picked
-    # One collective per chunk: every rank's (slice log-sum-exp, slice target logit).
     mine = torch.stack([lse, picked])
     n = dist.get_world_size(group)
     every = mine.new_empty((n * 2, mine.shape[1]))
@@ -121,24 +116,13 @@ def _lse_and_target(z, target, on_slice, group):
     return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(dim=0)
 
 
-def _logit_grad(z, lse, target, on_slice, weight_per_token, slope, dtype):
-    """``(softmax - onehot) * weight_per_token`` (x the softcap slope), in ``dtype``; ``z`` is
-    consumed (overwritten in place: the chunk's largest buffer is reused)."""
-    p = z.sub_(lse.unsqueeze(1)).exp_()
-    p.scatter_add_(1, target.unsqueeze(1), -on_slice.to(p.dtype).unsqueeze(1))
-    p.mul_(weight_per_token.unsqueeze(1))
-    if slope is not None:
-        p.mul_(slope)
-    return p.to(dtype)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and every gradient; backward scales them by ``grad_loss``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, divisor, ignore_index: int, chunk: int,
                 mean: bool, logit_scale: float, softcap: Optional[float], vocab_start: int,
-                group):
+                group, fp8_recipe: Optional[str]):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         want_b = want_b and bias is not None
         n, v_local = hidden.shape[0], weight.shape[0]
@@ -156,18 +140,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(v_local, device=hidden.device) if want_b else None
         total = torch.zeros((), device=hidden.device)
+        # The weight's FP8 operands, once per call (fp8_head: the logits and dL/dh GEMMs).
+        head = Fp8Head.prepare(weight, head_config(fp8_recipe), want_dgrad=want_h) \
+            if fp8_recipe is not None else None
         for s in range(0, n, chunk):  # a static count: torch.compile unrolls it, no host sync
             e = min(s + chunk, n)
             h = hidden[s:e]
-            z, slope = _logits(h, weight, bias, logit_scale, softcap)
-            lse, picked = _lse_and_target(z, target[s:e], on_slice[s:e], group)
+            z = _gemm(h, weight, bias, head)
+            lse, picked = chunk_ops.run(chunk_ops.chunk_stats, z, target[s:e], on_slice[s:e],
+                                        logit_scale, softcap)
+            lse, picked = _all_tokens(lse, picked, group)
             total = total + torch.where(valid[s:e], lse - picked, 0.0).sum()
             if not (want_h or want_w or want_b):
                 continue
-            g = _logit_grad(z, lse, target[s:e], on_slice[s:e], per_token[s:e], slope,
-                            hidden.dtype)
+            g = chunk_ops.run(chunk_ops.chunk_grad, z, lse, target[s:e], on_slice[s:e],
+                              per_token[s:e], logit_scale, softcap, hidden.dtype)
             if want_h:
-                grad_h[s:e] = g @ weight
+                grad_h[s:e] = head.input_grad(g) if head is not None else g @ weight
             if want_w:
                 grad_w.addmm_(g.t(), h)
             if want_b:
@@ -184,7 +173,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = grad_h * grad_loss if grad_h is not None else None
         grad_w = grad_w * grad_loss if grad_w is not None else None
         grad_b = (grad_b * grad_loss).to(ctx.bias_dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -193,7 +182,8 @@ def chunked_linear_cross_entropy(
         chunk_size: Optional[int] = None, reduction: str = "mean",
         num_items_in_batch: Union[torch.Tensor, int, None] = None, logit_scale: float = 1.0,
         softcap: Optional[float] = None,
-        vocab_parallel: Optional[VocabParallel] = None) -> torch.Tensor:
+        vocab_parallel: Optional[VocabParallel] = None,
+        fp8_recipe: Optional[str] = None) -> torch.Tensor:
     """``F.cross_entropy(softcap(logit_scale * F.linear(hidden, weight, bias)), labels)``
     without ever holding the ``[N, V]`` logits (module docstring: how, and the rounding).
 
@@ -217,6 +207,9 @@ def chunked_linear_cross_entropy(
             applied in FP32.
         vocab_parallel: this rank's vocabulary slice under tensor parallelism (the loss is the
             full-vocabulary one, equal on every rank).
+        fp8_recipe: ``"rowwise"`` or ``"blockwise"``: the logits and ``dL/dhidden`` GEMMs in
+            FP8 with that recipe's scales (:mod:`fp8boost.loss.fp8_head`; the weight gradient
+            stays a BF16 GEMM); None: every GEMM in the input dtype.
 
     Returns:
         The FP32 scalar loss. Its backward may run once (the gradients are stored, not the
@@ -234,6 +227,8 @@ def chunked_linear_cross_entropy(
         (torch.Size([10, 8]), torch.Size([32, 8]))
     """
     _check(hidden, weight, labels, bias, chunk_size, reduction)
+    if fp8_recipe is not None:
+        head_config(fp8_recipe)  # a bad name fails here, before any GEMM
     if num_items_in_batch is not None and reduction != "sum":
         raise ValueError("num_items_in_batch divides the summed loss: pass reduction='sum'")
     divisor = None
@@ -244,4 +239,5 @@ def chunked_linear_cross_entropy(
     return _LinearCrossEntropy.apply(
         hidden, weight, bias, labels.to(hidden.device), divisor, ignore_index, chunk,
         reduction == "mean", float(logit_scale), None if softcap is None else float(softcap),
-        vp.vocab_start if vp is not None else 0, vp.group if vp is not None else None)
+        vp.vocab_start if vp is not None else 0, vp.group if vp is not None else None,
+        fp8_recipe)
