@@ -6,7 +6,7 @@ Kept apart from the measuring and reporting code of ``train.py`` (which re-expor
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -99,16 +99,41 @@ def tp_of(name: str) -> int:
     return int(kind[2:].removesuffix("sp")) if kind.startswith("tp") else 1
 
 
+# bench/train.py --fused-lm-loss: on / off are the library's True / False; fp8-<recipe> puts the
+# lm_head's GEMMs in FP8 inside the fused loss (FusedLmLossConfig(fp8_recipe=<recipe>)).
+FUSED_LM_LOSS_CHOICES = ("on", "off", "fp8-rowwise", "fp8-blockwise")
+
+
+def fused_lm_loss_setting(choice: Optional[str]) -> Union[bool, Any]:
+    """``--fused-lm-loss`` -> the ``fused_lm_loss`` of MixedPrecision / a plugin (None: "on",
+    for callers such as bench/scale.py whose args lack the flag).
+
+    The FusedLmLossConfig is built only for an fp8-* choice, so "on"/"off" runs never depend on
+    its newer ``fp8_recipe`` field."""
+    if choice is None or choice == "on":
+        return True
+    if choice == "off":
+        return False
+    if choice not in FUSED_LM_LOSS_CHOICES:
+        raise ValueError(f"--fused-lm-loss {choice!r}: choose from {FUSED_LM_LOSS_CHOICES}")
+    from fp8boost.loss import FusedLmLossConfig
+    return FusedLmLossConfig(fp8_recipe=choice.removeprefix("fp8-"))
+
+
 def setup_booster(model, name: str, args, device):
     """An fp8boost config: ``single_*`` (no plugin), ``ddp_*``, ``zero1_*``, ``zero2_*``.
 
     ``single_torchao``: ``single_bf16`` whose linears torchao converts first (then compile,
-    then boost, the order of every config here)."""
+    then boost, the order of every config here). Every config takes ``--fused-lm-loss``
+    (``fused_lm_loss_setting``); ``args._fused_lm_loss_status`` then says "fused" or why not."""
     from fp8boost.booster import Booster
 
     kind, variant = name.split("_", 1)
     use_fp8, fp8_comm = variant.startswith("fp8"), variant.startswith("fp8_comm")
     rs = {"fp8_reduce_scatter": True} if variant == "fp8_comm_rs" else {}
+    # MixedPrecision and every plugin (PluginOptions) take fused_lm_loss as a keyword.
+    lm = {"fused_lm_loss": fused_lm_loss_setting(getattr(args, "fused_lm_loss", None))}
+    hf_model = model  # boost fuses the loss on this object in place (wrappers keep it)
     if name == "single_torchao":
         args._fp8_layers = _single.convert_torchao(model, getattr(args, "torchao_recipe", None))
     if args.compile:
@@ -126,39 +151,45 @@ def setup_booster(model, name: str, args, device):
         booster = Booster(mixed_precision=MixedPrecision(
             "fp8" if use_fp8 else "bf16", fp8_config=fp8_cfg,
             fused_master_step={"fused": True, "two-pass": False}.get(
-                getattr(args, "master_step", None))), device=device)
+                getattr(args, "master_step", None)), **lm), device=device)
     elif kind == "ddp":
         from fp8boost.plugins import TorchDDPPlugin
         booster = Booster(plugin=TorchDDPPlugin(use_fp8=use_fp8, fp8_communication=fp8_comm,
-                                                precision="bf16", fp8_config=fp8_cfg),
+                                                precision="bf16", fp8_config=fp8_cfg, **lm),
                           device=device)
     elif kind == "gemini":
         from fp8boost.plugins import GeminiPlugin
         booster = Booster(plugin=GeminiPlugin(precision="bf16", use_fp8=use_fp8,
                                               fp8_communication=fp8_comm, fp8_config=fp8_cfg,
-                                              **rs),
+                                              **rs, **lm),
                           device=device)
     elif kind.startswith("tp"):
         from fp8boost.plugins import HybridParallelPlugin
         plugin = HybridParallelPlugin(tp_size=tp_of(name), zero_stage=1, precision="bf16",
                                       enable_sequence_parallelism=kind.endswith("sp"),
                                       use_fp8=use_fp8, fp8_communication=fp8_comm,
-                                      reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
+                                      reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg,
+                                      **lm)
         booster = Booster(plugin=plugin, device=device)
     elif kind == "torchfsdp":
         from fp8boost.plugins import TorchFSDPPlugin
         booster = Booster(plugin=TorchFSDPPlugin(precision="bf16", use_fp8=use_fp8,
-                                                 fp8_communication=fp8_comm, fp8_config=fp8_cfg),
+                                                 fp8_communication=fp8_comm, fp8_config=fp8_cfg,
+                                                 **lm),
                           device=device)
     else:
         from fp8boost.plugins import LowLevelZeroPlugin
         plugin = LowLevelZeroPlugin(stage=int(kind[-1]), precision="bf16", use_fp8=use_fp8,
                                     fp8_communication=fp8_comm, **rs,
-                                    reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
+                                    reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg,
+                                    **lm)
         booster = Booster(plugin=plugin, device=device)
     optimizer = _single.make_adamw(model.parameters(), args, device)
     model, optimizer, *_ = booster.boost(model, optimizer)
     report = getattr(booster.plugin, "fp8_report", None)
     if report is not None:
         args._fp8_layers = dict(converted=len(report.converted), kept=len(report.skipped))
+    # Recorded, not implied: "on" silently keeps HF's loss where it does not apply. Asking the
+    # plugin again is idempotent: None once installed, else the same reason as in boost.
+    args._fused_lm_loss_status = booster.plugin.fuse_lm_loss(hf_model) or "fused"
     return model, optimizer, lambda loss: booster.backward(loss, optimizer), _nothing

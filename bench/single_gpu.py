@@ -13,6 +13,8 @@ Shapes (Llama, vocab 32000)::
     7b-4l   h4096 ffn11008  4 layers, 32 heads (kv 32)   batch 4 x seq 2048
     8b-4l   h4096 ffn14336  4 layers, 32 heads, 8 kv (GQA)  batch 4 x seq 4096
     tiny    examples/presets.py's tiny, vocab 256, batch 2 x seq 256 (CPU smoke; not default)
+    llama3-8b-4l  8b-4l with Llama 3's vocab 128256, batch 2 x seq 4096 (not default: the
+            lm_head + loss weigh as in the real model, issue 35)
 
 Modes (bench/train.py config + flags)::
 
@@ -26,15 +28,22 @@ Modes (bench/train.py config + flags)::
     as an opaque op under compile: Fp8Config(compiled_casts="kernel")), fp8_eager_noshare
     (Fp8Config(share_input_casts=False)), bf16/torchao/fp8_compiled_twopass
     (MixedPrecision(fused_master_step=False): the two-pass master-weight step, the default
-    before the one-kernel AdamW step; every other single_* mode takes the library default)
+    before the one-kernel AdamW step; every other single_* mode takes the library default);
+    issue 26's recipes: torchao_rowwise_compiled/_eager, fp8_rowwise/blockwise_compiled/_eager,
+    fp8_rowwise_gwhp_compiled; issue 35's lm_head + loss (--fused-lm-loss; every other mode
+    takes the library default, the fused loss): bf16/torchao/torchao_rowwise_compiled_hfloss
+    (off: HF's lm_head + loss, full logits, as torchao users train), fp8_compiled_all_fp8head,
+    fp8_rowwise_compiled_fp8head, bf16_compiled_fp8head (fp8-rowwise: the fused loss with an
+    FP8 lm_head, FusedLmLossConfig(fp8_recipe="rowwise"))
 
 A compiled cell counts only when dynamo captured graphs with no graph break: no graph is
 ``not_compiled``, breaks are flagged ``!<n>br`` in the table (``compile_ok: false``).
 
 The JSON (device, versions, date, command, ``peak_bf16_tflops``; per shape the model info and
 per mode bench/train.py's result plus ``vs_bf16_compiled``, ``vs_bf16_eager`` and, for FP8
-modes, ``vs_torchao_compiled``) is rewritten after every cell; a markdown table (tok/s and the
-ratio to ``bf16_compiled``), a memory, an MFU and a warm-up line per shape are printed last.
+modes, ``vs_torchao_compiled`` and, when that cell was run, ``vs_torchao_compiled_hfloss``) is
+rewritten after every cell; a markdown table (tok/s and the ratio to ``bf16_compiled``), a
+memory, an MFU and a warm-up line per shape are printed last.
 
 Usage::
 
@@ -72,6 +81,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                   seq_len=4096),
     # vocab 256: a 32000-word lm_head in BF16 takes ~20 s a step on a 2-core CPU
     "tiny": dict(preset="tiny", vocab_size=256, batch_size=2, seq_len=256),
+    # Issue 35: Llama-3-8B's real vocabulary: its lm_head is ~1/3 of a 4-layer step's FLOPs.
+    "llama3-8b-4l": dict(_LLAMA, hidden=4096, ffn=14336, layers=4, heads=32, kv_heads=8,
+                         vocab_size=128256, batch_size=2, seq_len=4096),
 }
 DEFAULT_SHAPES = ["1b", "7b-4l", "8b-4l"]
 _ALL = ["--fp8-min-numel", "0"]
@@ -106,6 +118,19 @@ MODES: dict[str, tuple[str, list[str]]] = {
     "torchao_rowwise_eager": ("single_torchao", ["--torchao-recipe", "rowwise"]),
     "fp8_rowwise_eager": ("single_fp8", _ALL + ["--fp8-options", "named=rowwise"]),
     "fp8_blockwise_eager": ("single_fp8", _ALL + ["--fp8-options", "named=blockwise"]),
+    # Issue 35: the lm_head + loss. hfloss: HF's (full logits), as torchao users train, against
+    # the library's fused loss everywhere else; fp8head: the fused loss with an FP8 lm_head.
+    "bf16_compiled_hfloss": ("single_bf16", ["--compile", "--fused-lm-loss", "off"]),
+    "torchao_compiled_hfloss": ("single_torchao", ["--compile", "--fused-lm-loss", "off"]),
+    "torchao_rowwise_compiled_hfloss": ("single_torchao", ["--compile", "--torchao-recipe",
+                                                           "rowwise", "--fused-lm-loss", "off"]),
+    "fp8_compiled_all_fp8head": ("single_fp8", _ALL + ["--compile", "--fused-lm-loss",
+                                                       "fp8-rowwise"]),
+    "fp8_rowwise_compiled_fp8head": ("single_fp8", _ALL + ["--compile", "--fp8-options",
+                                                           "named=rowwise", "--fused-lm-loss",
+                                                           "fp8-rowwise"]),
+    # Only the head in FP8: what the FP8 lm_head alone buys over bf16_compiled.
+    "bf16_compiled_fp8head": ("single_bf16", ["--compile", "--fused-lm-loss", "fp8-rowwise"]),
 }
 DEFAULT_MODES = list(MODES)[:6]
 
@@ -195,12 +220,15 @@ def check_compiled(mode: str, cell: dict[str, Any]) -> None:
 
 
 def add_ratios(cells: dict[str, dict[str, Any]]) -> None:
+    """Each ok cell's tok/s over the BF16 cells; FP8 cells also over torchao's, and over
+    torchao with HF's loss when that cell was run (None where a base is not ok)."""
     speed = {m: c["tokens_per_s_per_gpu"] for m, c in cells.items() if c["status"] == "ok"}
+    # Only when run: runs without the issue-35 modes keep their keys as before.
+    torchao = ["torchao_compiled"] + [m for m in ("torchao_compiled_hfloss",) if m in cells]
     for mode, cell in cells.items():
         if mode not in speed:
             continue
-        bases = ["bf16_compiled", "bf16_eager"] + (["torchao_compiled"]
-                                                   if mode.startswith("fp8") else [])
+        bases = ["bf16_compiled", "bf16_eager"] + (torchao if mode.startswith("fp8") else [])
         for base in bases:
             cell[f"vs_{base}"] = speed[mode] / speed[base] if base in speed else None
 

@@ -84,8 +84,9 @@ import torch.distributed as dist  # noqa: E402
 
 import _single  # noqa: E402  (bench/_single.py)
 # Model setup per config lives in bench/_setup.py; re-exported: scale.py and tests use train.*
-from _setup import (_nothing, compile_evidence, compile_layers,  # noqa: E402,F401
-                    fp8_options, setup_booster, setup_fsdp2, tp_of)
+from _setup import (FUSED_LM_LOSS_CHOICES, _nothing, compile_evidence,  # noqa: E402,F401
+                    compile_layers, fp8_options, fused_lm_loss_setting, setup_booster,
+                    setup_fsdp2, tp_of)
 import presets  # noqa: E402  (examples/presets.py)
 from metrics import flops_per_token, matmul_params  # noqa: E402  (examples/metrics.py)
 
@@ -134,6 +135,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--master-step", default=None, choices=("fused", "two-pass"),
                    help="single_* configs: MixedPrecision.fused_master_step True / False "
                         "(default: the library's, fused wherever it applies)")
+    p.add_argument("--fused-lm-loss", default="on", choices=FUSED_LM_LOSS_CHOICES,
+                   help="fused_lm_loss of every fp8boost config (single_* and plugins; not "
+                        "fsdp2_bf16/torchao_fsdp2): on/off = True/False, fp8-rowwise/"
+                        "fp8-blockwise = FusedLmLossConfig(fp8_recipe=...), an FP8 lm_head; "
+                        "on is the library's default")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="CUDA: profile this many extra steps; kernel ms/step by category")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -241,6 +247,7 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
     # Memory still held when a config starts (leaked by an earlier one) inflates its peak.
     start_mem = torch.cuda.memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     args._fp8_layers = None  # set by the setup of an FP8 config (not left from an earlier one)
+    args._fused_lm_loss_status = None  # set by setup_booster: "fused" or why not
     model = build_model(args, device)
     if name in ("fsdp2_bf16", "torchao_fsdp2"):
         model, optimizer, backward, post_step = setup_fsdp2(model, args, device,
@@ -288,6 +295,8 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         extra["compile"] = compile_evidence()
     if getattr(args, "_fp8_layers", None):
         extra["fp8_layers"] = args._fp8_layers
+    if getattr(args, "_fused_lm_loss_status", None):
+        extra["fused_lm_loss_status"] = args._fused_lm_loss_status
     if getattr(args, "profile_steps", 0) and device.type == "cuda":
         import _profile  # bench/_profile.py
         extra["kernels"] = _profile.kernel_breakdown(step, args.profile_steps, device)
@@ -494,6 +503,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
                                       batch_size=args.batch_size, seq_len=args.seq_len,
                                       zero_bucket_m=args.bucket_m, fp8_min_numel=args.fp8_min_numel,
                                       fp8_options=args.fp8_options,
+                                      fused_lm_loss=args.fused_lm_loss,
                                       warmup=args.warmup, steps=args.steps,
                                       compile=args.compile,
                                       optimizer="AdamW" + (" (fused)" if _single.fused_adamw(
@@ -541,7 +551,8 @@ def child_argv_for(args: argparse.Namespace, config: str, output: str,
 def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
     return child_argv_for(args, config, output,
                           ("bucket_m", "fp8_min_numel", "fp8_options", "profile_steps", "layers",
-                           "hidden", "ffn", "heads", "kv_heads", "master_step"),
+                           "hidden", "ffn", "heads", "kv_heads", "master_step",
+                           "fused_lm_loss", "torchao_recipe"),
                           ("compile", "fused_adamw"))
 
 

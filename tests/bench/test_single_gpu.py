@@ -38,8 +38,8 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert args.shapes == ["1b", "7b-4l", "8b-4l"] and "tiny" not in args.shapes
     assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
                           "fp8_eager_all", "fp8_compiled_all"]
-    # 6 default + 4 optional + 5 ablations + 7 of issue 26's recipes
-    assert len(sg.parse_args(["--modes", "all"]).modes) == 22
+    # 6 default + 4 optional + 5 ablations + 7 of issue 26's recipes + 6 of issue 35's heads
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 28
     with pytest.raises(ValueError, match="unknown shape"):
         sg.parse_args(["--shapes", "1b,70b"])
     with pytest.raises(ValueError, match="unknown mode"):
@@ -104,12 +104,110 @@ def test_peak_table_ratios_and_compile_check(sg):
     assert fp8["vs_bf16_compiled"] == pytest.approx(1.44) and fp8["vs_bf16_eager"] == 1.8
     assert fp8["vs_torchao_compiled"] == pytest.approx(1.2)
     assert "vs_torchao_compiled" not in cells["bf16_eager"]
+    assert "vs_torchao_compiled_hfloss" not in fp8  # that cell was not run: no key
     report = dict(device="NVIDIA H100 80GB HBM3", optimizer="AdamW (fused)", steps=10, warmup=3,
                   peak_bf16_tflops=989.4, modes=list(cells), shapes={"1b": dict(cells=cells)})
     table = sg.format_table(report)
     assert "| 1b | 100 (0.80x) | 125 (1.00x) | 150 (1.20x) | 180 (1.44x) !2br | oom |" in table
     assert "not_compiled" in table and "1b MFU: bf16_eager 40.0%" in table
     assert "1b warm-up s (first step / all 3): bf16_eager 9.0/12.0" in table
+
+
+ISSUE35 = {  # mode: (config, --fused-lm-loss, --torchao-recipe, --fp8-options)
+    "bf16_compiled_hfloss": ("single_bf16", "off", None, None),
+    "torchao_compiled_hfloss": ("single_torchao", "off", None, None),
+    "torchao_rowwise_compiled_hfloss": ("single_torchao", "off", "rowwise", None),
+    "fp8_compiled_all_fp8head": ("single_fp8", "fp8-rowwise", None, None),
+    "fp8_rowwise_compiled_fp8head": ("single_fp8", "fp8-rowwise", None, "named=rowwise"),
+    "bf16_compiled_fp8head": ("single_bf16", "fp8-rowwise", None, None),
+}
+
+
+def test_issue35_shape_modes_and_flag(sg):
+    """llama3-8b-4l and the lm_head modes: real train.py command lines, appended after the
+    defaults; --fused-lm-loss defaults to the library's "on" and reaches isolated children."""
+    assert "llama3-8b-4l" not in sg.DEFAULT_SHAPES and list(sg.MODES)[-6:] == list(ISSUE35)
+    args = sg.parse_args(["--shapes", "llama3-8b-4l", "--modes", ",".join(ISSUE35)])
+    for mode, (config, flag, recipe, options) in ISSUE35.items():
+        targs = sg.train.parse_args(sg.cell_argv(args, "llama3-8b-4l", mode, "x.json")[2:])
+        assert (targs.configs, targs.fused_lm_loss, targs.torchao_recipe, targs.fp8_options,
+                targs.compile) == ([config], flag, recipe, options, True), mode
+        assert targs.fp8_min_numel == (0 if config == "single_fp8" else None), mode
+    assert (targs.batch_size, targs.seq_len, targs.vocab_size) == (2, 4096, 128256)
+    info = sg.train.model_info(targs)  # meta device
+    assert (info["vocab"], info["hidden"], info["ffn"], info["layers"], info["heads"],
+            info["kv_heads"]) == (128256, 4096, 14336, 4, 32, 8)
+    old = sg.train.parse_args(sg.cell_argv(args, "llama3-8b-4l", "fp8_compiled_all", "x")[2:])
+    assert old.fused_lm_loss == "on"  # every earlier mode: the library default
+    child = sg.train._child_argv(targs, "single_bf16", "o.json")
+    assert child[child.index("--fused-lm-loss") + 1] == "fp8-rowwise"
+    with pytest.raises(SystemExit):
+        sg.train.parse_args(["--fused-lm-loss", "fp8"])
+
+
+def test_fused_lm_loss_flag_reaches_the_booster(sg, monkeypatch):
+    """The flag's mapping, on a real single_* Booster (CPU, tiny model: the head is fused or
+    not, with the FP8 recipe asked for) and in the keywords of every plugin config."""
+    from fp8boost.loss import FusedLmLossConfig
+
+    train = sg.train
+    assert [train.fused_lm_loss_setting(c) for c in (None, "on", "off")] == [True, True, False]
+    assert train.fused_lm_loss_setting("fp8-blockwise") == FusedLmLossConfig(
+        fp8_recipe="blockwise")
+    cpu = torch.device("cpu")
+    for config, flag, recipe, status in (
+            ("single_bf16", "off", None, "fused_lm_loss=False"),
+            ("single_bf16", "on", None, "fused"),
+            ("single_fp8", "fp8-rowwise", "rowwise", "fused")):
+        args = train.parse_args(["--configs", config, "--preset", "tiny", "--vocab-size", "64",
+                                 "--layers", "1", "--device", "cpu", "--fused-lm-loss", flag])
+        model = train.build_model(args, cpu)
+        train.setup_booster(model, config, args, cpu)
+        assert args._fused_lm_loss_status == status, (config, flag)
+        fused = vars(model).get("forward")  # FusedLossForward when fused, on the HF model
+        assert (getattr(getattr(fused, "config", None), "fp8_recipe", "unfused")
+                == (recipe if status == "fused" else "unfused")), (config, flag)
+
+    class Stop(Exception):
+        pass
+
+    seen: dict[str, object] = {}
+
+    def fake(name):
+        def plugin(*_, **kw):
+            seen[name] = kw.get("fused_lm_loss", "missing")
+            raise Stop
+        return plugin
+
+    import fp8boost.plugins as plugins
+    names = {"ddp": "TorchDDPPlugin", "gemini": "GeminiPlugin", "tp2": "HybridParallelPlugin",
+             "torchfsdp": "TorchFSDPPlugin", "zero1": "LowLevelZeroPlugin"}
+    for cls in names.values():
+        monkeypatch.setattr(plugins, cls, fake(cls))
+    args = train.parse_args(["--device", "cpu", "--fused-lm-loss", "off"])
+    for kind in names:
+        with pytest.raises(Stop):
+            train.setup_booster(torch.nn.Linear(2, 2), f"{kind}_bf16", args, cpu)
+    assert seen == {cls: False for cls in names.values()}
+
+
+def test_issue35_ratios_against_torchao_with_hf_loss(sg):
+    """FP8 cells get vs_torchao_compiled_hfloss when that cell was run (None when not ok);
+    BF16 and torchao cells never do."""
+    def ok(tok):
+        return dict(status="ok", tokens_per_s_per_gpu=tok)
+    cells = dict(bf16_compiled=ok(100.0), torchao_compiled=ok(120.0),
+                 torchao_compiled_hfloss=ok(110.0), fp8_compiled_all=ok(132.0),
+                 fp8_compiled_all_fp8head=ok(143.0), bf16_compiled_hfloss=ok(90.0))
+    sg.add_ratios(cells)
+    assert cells["fp8_compiled_all"]["vs_torchao_compiled_hfloss"] == pytest.approx(1.2)
+    assert cells["fp8_compiled_all_fp8head"]["vs_torchao_compiled_hfloss"] == pytest.approx(1.3)
+    assert cells["fp8_compiled_all_fp8head"]["vs_torchao_compiled"] == pytest.approx(143 / 120)
+    assert not any("vs_torchao_compiled_hfloss" in cells[m] for m in (
+        "bf16_compiled", "torchao_compiled", "torchao_compiled_hfloss", "bf16_compiled_hfloss"))
+    cells["torchao_compiled_hfloss"] = dict(status="oom")
+    sg.add_ratios(cells)
+    assert cells["fp8_compiled_all"]["vs_torchao_compiled_hfloss"] is None
 
 
 def test_fused_adamw_steps_fp32_masters():
@@ -168,6 +266,7 @@ def test_cpu_run_tiny(tmp_path):
         assert cell["first_step_s"] > 0 and cell["warmup_s"] >= cell["first_step_s"] * 0.99
         assert "mfu" in cell and cell["vs_bf16_eager"] > 0
     assert cells["fp8_eager_all"]["fp8_layers"]["converted"] > 0
+    assert cells["bf16_eager"]["fused_lm_loss_status"] == "fused"  # the library default
     assert cells["fp8_eager_all"]["vs_torchao_compiled"] is None  # torchao cell not ok here
     torchao = cells["torchao_compiled"]["status"]
     assert torchao == ("skipped" if importlib.util.find_spec("torchao") is None else "ok"), \
