@@ -22,6 +22,7 @@ def make_booster(args: argparse.Namespace, device: torch.device) -> Any:
     from fp8boost.booster import Booster
     from fp8boost.booster.mixed_precision import MixedPrecision
     from fp8boost.fp8 import Fp8Config
+    from fp8boost.loss import FusedLmLossConfig
 
     fp8_config = None
     if args.use_fp8:
@@ -36,14 +37,19 @@ def make_booster(args: argparse.Namespace, device: torch.device) -> Any:
 
     guard = NonFiniteGuard(max_consecutive=args.max_bad_steps,
                            enabled=not args.no_nonfinite_guard)
+    head = {} if args.fp8_head == "none" else {
+        "fused_lm_loss": FusedLmLossConfig(fp8_recipe=args.fp8_head)}
     if args.plugin == "none":
-        mp = MixedPrecision("fp8", fp8_config) if args.use_fp8 else args.precision
+        mp = MixedPrecision("fp8" if args.use_fp8 else args.precision, fp8_config, **head)
         return Booster(mixed_precision=mp, device=device, nonfinite_guard=guard)
-    return Booster(plugin=make_plugin(args, fp8_config), device=device, nonfinite_guard=guard)
+    # --fp8-head with hybrid/moe is refused by cli.validate_args, before any work
+    return Booster(plugin=make_plugin(args, fp8_config, **head), device=device,
+                   nonfinite_guard=guard)
 
 
-def make_plugin(args: argparse.Namespace, fp8_config: Any) -> Any:
-    """The fp8boost plugin for ``--plugin`` (not ``none``)."""
+def make_plugin(args: argparse.Namespace, fp8_config: Any, **options: Any) -> Any:
+    """The fp8boost plugin for ``--plugin`` (not ``none``); ``options``: more plugin keywords
+    (``fused_lm_loss``) for the ddp/zero/gemini/fsdp plugins."""
     from fp8boost.plugins import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
     if args.plugin == "hybrid":
@@ -54,17 +60,17 @@ def make_plugin(args: argparse.Namespace, fp8_config: Any) -> Any:
         plugin = GeminiPlugin(precision=args.precision, use_fp8=args.use_fp8,
                               fp8_communication=args.fp8_comm, fp8_config=fp8_config,
                               fp8_reduce_scatter=args.fp8_reduce_scatter,
-                              enable_gradient_accumulation=args.grad_accum > 1)
+                              enable_gradient_accumulation=args.grad_accum > 1, **options)
     elif args.plugin == "fsdp":
         plugin = TorchFSDPPlugin(precision=args.precision, use_fp8=args.use_fp8,
                                  fp8_communication=args.fp8_comm, fp8_config=fp8_config,
-                                 fp8_reduce_scatter=args.fp8_reduce_scatter)
+                                 fp8_reduce_scatter=args.fp8_reduce_scatter, **options)
     elif args.plugin == "ddp":
         plugin = TorchDDPPlugin(use_fp8=args.use_fp8, fp8_communication=args.fp8_comm,
-                                precision=args.precision, fp8_config=fp8_config)
+                                precision=args.precision, fp8_config=fp8_config, **options)
     else:
         plugin = LowLevelZeroPlugin(stage=1 if args.plugin == "zero1" else 2,
                                     precision=args.precision, use_fp8=args.use_fp8,
                                     fp8_communication=args.fp8_comm, fp8_config=fp8_config,
-                                    fp8_reduce_scatter=args.fp8_reduce_scatter)
+                                    fp8_reduce_scatter=args.fp8_reduce_scatter, **options)
     return plugin

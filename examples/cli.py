@@ -133,6 +133,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="FP8 scaling recipe (Fp8Config.from_recipe) for --use-fp8: per tensor "
                         "(tensorwise*, delayed), per row (rowwise, rowwise_with_gw_hp: BF16 "
                         "weight gradient) or DeepSeek-V3 blocks (blockwise, blockwise_pow2)")
+    g.add_argument("--fp8-head", default="none", choices=("none", "rowwise", "blockwise"),
+                   help="the lm_head's logits and input-gradient GEMMs in FP8 inside the fused "
+                        "loss (FusedLmLossConfig(fp8_recipe=...)); independent of --use-fp8")
     g.add_argument("--fp8-min-numel", type=int, default=None,
                    help="linear layers with fewer weight elements stay BF16 (default: the library's "
                         "4096*4096 on GPU, where smaller layers measured slower in FP8; 0 on CPU)")
@@ -307,6 +310,10 @@ def _check_plugin(args: argparse.Namespace, world_size: int) -> None:
     if args.plugin == "none" and args.fp8_comm:
         raise ValueError("--fp8-comm needs a distributed plugin: add --plugin "
                          "ddp|zero1|zero2|gemini|fsdp|hybrid")
+    if args.fp8_head != "none" and args.plugin in ("hybrid", "moe"):
+        raise ValueError(f"--fp8-head is wired for --plugin none/ddp/zero1/zero2/gemini/fsdp in "
+                         f"this example, not {args.plugin}: pass fused_lm_loss="
+                         "FusedLmLossConfig(fp8_recipe=...) to the plugin in your own script")
     if args.fp8_reduce_scatter and not args.fp8_comm:
         raise ValueError("--fp8-reduce-scatter needs --fp8-comm (it puts the gradients of FP8 "
                          "communication in FP8 too); add --fp8-comm")

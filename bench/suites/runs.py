@@ -48,10 +48,13 @@ def conv_after(label: str, name: str, tmp: str, dest: str, tail: int = 0, cut: i
 
 
 def convergence_1gpu(ctx: Ctx) -> list[Step]:
-    """One run per recipe (bf16 = no FP8), batch 6 x 512 (the 2-GPU suite's 2 x 3)."""
+    """One run per recipe (bf16 = no FP8), batch 6 x 512 (the 2-GPU suite's 2 x 3); a name
+    ending in ``_fp8head`` adds the FP8 lm_head (``--fp8-head rowwise``, issue 35)."""
     steps = []
     for name in run_names(ctx, "runs"):
-        flags = "" if name == "bf16" else f" {F8} --fp8-recipe {name}"
+        recipe = name.removesuffix("_fp8head")
+        flags = "" if recipe == "bf16" else f" {F8} --fp8-recipe {recipe}"
+        flags += " --fp8-head rowwise" if recipe != name else ""
         steps.append(Step(
             f"torchrun --standalone --nproc_per_node=1 {CONV} --batch-size 6 --log-every 100"
             f"{flags} --out-dir /tmp/conv1_{name}", timeout="{RUN_TIMEOUT}",

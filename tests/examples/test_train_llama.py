@@ -310,6 +310,8 @@ def test_cosine_schedule_with_warmup(ex):
     (["--plugin", "moe", "--model", "mixtral", "--ep", "0"], "--ep must be >= 1"),
     (["--plugin", "moe", "--model", "mixtral", "--tp", "2", "world=2"],
      "--tp is an option of --plugin hybrid"),
+    (["--plugin", "hybrid", "--tp", "2", "--fp8-head", "rowwise", "world=2"],
+     "--fp8-head is wired for --plugin none"),
 ])
 def test_bad_arguments_raise_before_any_work(ex, argv, match):
     world = 4 if "hybrid" in argv else 1  # "world=N" in a case: N ranks
@@ -459,3 +461,21 @@ def test_fp8_recipe_option_builds_that_recipe(ex, tmp_path, monkeypatch):
     assert built == ["delayed"]
     assert json.loads((tmp_path / "run_config.json").read_text())["fp8_recipe"] == "delayed"
     assert len(_losses(tmp_path)) == 3
+
+
+def test_fp8_head_option_runs_the_fp8_head(ex, tmp_path, monkeypatch):
+    from fp8boost.loss import fp8_head
+
+    recipes = []
+    real = fp8_head.head_config
+
+    def spy(recipe):
+        recipes.append(recipe)
+        return real(recipe)
+
+    monkeypatch.setattr(fp8_head, "head_config", spy)
+    monkeypatch.setattr("fp8boost.loss.linear_cross_entropy.head_config", spy)
+    ex.train.train(ex.train.parse_args([*FAST, "--fp8-head", "blockwise", "--steps", "2",
+                                        "--eval-every", "0", "--out-dir", str(tmp_path)]))
+    assert recipes and set(recipes) == {"blockwise"}  # every training step's head was FP8
+    assert len(_losses(tmp_path)) == 2
