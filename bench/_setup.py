@@ -120,6 +120,20 @@ def fused_lm_loss_setting(choice: Optional[str]) -> Union[bool, Any]:
     return FusedLmLossConfig(fp8_recipe=choice.removeprefix("fp8-"))
 
 
+def fp8_config_of(args) -> Optional[Any]:
+    """The Fp8Config of ``--fp8-min-numel`` / ``--fp8-options`` (None: the library default);
+    ``named=<recipe>`` in the options builds ``Fp8Config.from_recipe``."""
+    text = getattr(args, "fp8_options", None)
+    if getattr(args, "fp8_min_numel", None) is None and not text:
+        return None
+    from fp8boost.fp8 import Fp8Config
+    extra = fp8_options(text)
+    if args.fp8_min_numel is not None:
+        extra["min_numel"] = args.fp8_min_numel
+    named = extra.pop("named", None)
+    return Fp8Config.from_recipe(named, **extra) if named else Fp8Config(**extra)
+
+
 def setup_booster(model, name: str, args, device):
     """An fp8boost config: ``single_*`` (no plugin), ``ddp_*``, ``zero1_*``, ``zero2_*``.
 
@@ -138,14 +152,7 @@ def setup_booster(model, name: str, args, device):
         args._fp8_layers = _single.convert_torchao(model, getattr(args, "torchao_recipe", None))
     if args.compile:
         compile_layers(model)
-    fp8_cfg = None
-    if use_fp8 and (args.fp8_min_numel is not None or getattr(args, "fp8_options", None)):
-        from fp8boost.fp8 import Fp8Config
-        extra = fp8_options(getattr(args, "fp8_options", None))
-        if args.fp8_min_numel is not None:
-            extra["min_numel"] = args.fp8_min_numel
-        named = extra.pop("named", None)  # --fp8-options named=rowwise: Fp8Config.from_recipe
-        fp8_cfg = Fp8Config.from_recipe(named, **extra) if named else Fp8Config(**extra)
+    fp8_cfg = fp8_config_of(args) if use_fp8 else None
     if kind == "single":
         from fp8boost.booster.mixed_precision import MixedPrecision
         booster = Booster(mixed_precision=MixedPrecision(

@@ -121,6 +121,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--fp8-min-numel", type=int, default=None)
+    p.add_argument("--fp8-options", default=None,
+                   help="extra Fp8Config fields for the FP8 configs, e.g. 'backend=cublas' "
+                        "(torch._scaled_mm in compiled graphs) or 'named=rowwise'")
+    p.add_argument("--fused-lm-loss", default="on", choices=train.FUSED_LM_LOSS_CHOICES,
+                   help="the Booster configs' lm_head + loss (bench/train.py's flag)")
     p.add_argument("--bucket-m", type=float, default=None, help="ZeRO reduce bucket (M elements)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -237,15 +242,13 @@ def setup_pipeline(model, lay: dict[str, Any], args, device, replica_batch: int)
     from fp8boost.booster import Booster
     from fp8boost.plugins import HybridParallelPlugin
 
-    fp8_cfg = None
-    if lay["variant"] != "bf16" and args.fp8_min_numel is not None:
-        from fp8boost.fp8 import Fp8Config
-        fp8_cfg = Fp8Config(min_numel=args.fp8_min_numel)
+    fp8_cfg = train.fp8_config_of(args) if lay["variant"] != "bf16" else None
     plugin = HybridParallelPlugin(
         tp_size=lay["tp"], pp_size=lay["pp"], zero_stage=1, precision="bf16",
         num_microbatches=args.microbatches or replica_batch,
         use_fp8=lay["variant"] != "bf16", fp8_communication=lay["variant"] == "fp8_comm",
-        reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg)
+        reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg,
+        fused_lm_loss=train.fused_lm_loss_setting(args.fused_lm_loss))
     if args.compile:
         train.compile_layers(model)
     booster = Booster(plugin=plugin, device=device)
@@ -422,7 +425,8 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
             benchmark="scale_throughput", issue=15, command=train.command_line(world_size), **env,
             model=info, batch_size=args.batch_size, replica_batch=args.replica_batch,
             seq_len=args.seq_len, microbatches=args.microbatches, zero_bucket_m=args.bucket_m,
-            fp8_min_numel=args.fp8_min_numel, warmup=args.warmup, steps=args.steps,
+            fp8_min_numel=args.fp8_min_numel, fp8_options=args.fp8_options,
+            fused_lm_loss=args.fused_lm_loss, warmup=args.warmup, steps=args.steps,
             compile=args.compile, activation_checkpointing=args.activation_checkpointing,
             optimizer="AdamW", peak_bf16_tflops=args._peak_tflops,
             fsdp2_policy="param bf16, reduce fp32", results=[])
@@ -454,7 +458,7 @@ def child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
     argv = train.child_argv_for(args, config, output,
                                 ("build_dtype", "layers", "replica_batch", "microbatches",
                                  "fp8_min_numel", "bucket_m", "peak_tflops", "profile_steps",
-                                 "profile_trace"),
+                                 "profile_trace", "fp8_options", "fused_lm_loss"),
                                 ("activation_checkpointing", "profile_cpu"))
     return argv + (["--compile"] if args.compile and config != "fsdp2_bf16_eager" else [])
 

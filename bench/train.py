@@ -85,7 +85,8 @@ import torch.distributed as dist  # noqa: E402
 import _single  # noqa: E402  (bench/_single.py)
 # Model setup per config lives in bench/_setup.py; re-exported: scale.py and tests use train.*
 from _setup import (FUSED_LM_LOSS_CHOICES, _nothing, compile_evidence,  # noqa: E402,F401
-                    compile_layers, fp8_options, fused_lm_loss_setting, setup_booster,
+                    compile_layers, fp8_config_of, fp8_options, fused_lm_loss_setting,
+                    setup_booster,
                     setup_fsdp2, tp_of)
 import presets  # noqa: E402  (examples/presets.py)
 from metrics import flops_per_token, matmul_params  # noqa: E402  (examples/metrics.py)

@@ -198,3 +198,14 @@ def test_profile_flags_reach_the_isolated_child(scale):
     assert argv[argv.index("--profile-trace") + 1] == "/tmp/tr" and "--profile-cpu" in argv
     plain = scale.child_argv(scale.parse_args(["--configs", "zero2_fp8,gemini_fp8"]), "x", "o")
     assert "--profile-cpu" not in plain and "--profile-trace" not in plain
+
+
+def test_fp8_options_and_fused_loss_reach_the_child_and_the_config(scale):
+    args = scale.parse_args(["--configs", "zero2_fp8,gemini_fp8", "--fp8-min-numel", "0",
+                             "--fp8-options", "backend=cublas", "--fused-lm-loss", "off"])
+    argv = scale.child_argv(args, "gemini_fp8", "/tmp/o.json")
+    assert argv[argv.index("--fp8-options") + 1] == "backend=cublas"
+    assert argv[argv.index("--fused-lm-loss") + 1] == "off"
+    cfg = scale.train.fp8_config_of(args)
+    assert cfg.backend == "cublas" and cfg.min_numel == 0
+    assert scale.train.fp8_config_of(scale.parse_args([])) is None  # the library default
