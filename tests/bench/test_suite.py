@@ -108,6 +108,13 @@ def test_env_knobs_and_arguments_reach_the_commands(tmp_path):
                     STEPS="10", OUT=str(tmp_path))
     assert out.stdout.count("timeout 33 torchrun") == 2 and "--steps 10 " in out.stdout
     assert f"{tmp_path}/convergence_1gpu_rowwise.jsonl" in out.stdout
+    out = suite_cli("--dry-run", "convergence-1gpu", "bf16,bf16_fp8head", OUT=str(tmp_path),
+                    TOKENIZER=".data/tok128k")
+    assert out.stdout.count("--tokenizer .data/tok128k") == 2
+    assert "--fp8-head rowwise --tokenizer" in out.stdout and "--use-fp8" not in out.stdout
+    assert f"{tmp_path}/convergence_1gpu_bf16_fp8head_tok128k.jsonl" in out.stdout
+    out = suite_cli("--dry-run", "convergence-1gpu", "bf16", TOKENIZER="x; rm -rf /")
+    assert out.returncode != 0 and "bad TOKENIZER" in out.stdout + out.stderr
     out = suite_cli("--dry-run", "moe-4gpu", "ep4_fp8comm_compiled", PRESET="7b-8l")
     assert "--preset 7b-8l" in out.stdout and "--fp8-comm --compile" in out.stdout
     out = suite_cli("--dry-run", "colossal-gpu", TAG="t1", OUT=str(tmp_path))
