@@ -33,7 +33,7 @@ import torch
 
 from fp8boost.fp8.backends import get_backend
 from fp8boost.fp8.config import Fp8Config
-from fp8boost.fp8.granular import GranularFp8, granular_mm, quantize_operands
+from fp8boost.fp8.granular import GranularFp8, fast_accum, granular_mm, quantize_with
 
 __all__ = ["HEAD_RECIPES", "Fp8Head", "head_config"]
 
@@ -86,32 +86,22 @@ class Fp8Head:
         for ``dL/dh``. ``backend`` None: ``config.backend`` resolved on the weight's device."""
         if backend is None:
             backend = get_backend(config.backend, weight.device)
-        rows, cols = cls._cast(weight.detach(), config, backend, weight_like=True,
-                               dtype=config.fwd_dtype, rows=True, cols=want_dgrad)
+        rows, cols = quantize_with(weight.detach(), config.fwd_dtype, config, weight=True,
+                                   rows=True, cols=want_dgrad, backend=backend)
         return cls(config, backend, rows, cols)
-
-    @staticmethod
-    def _cast(x, config, backend, *, weight_like, dtype, rows, cols):
-        return quantize_operands(x, dtype, config.recipe, weight=weight_like, rows=rows,
-                                 cols=cols, block=config.block_size, margin=config.margin,
-                                 power_of_2=config.power_of_2_scale, backend=backend)
 
     def logits(self, h: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``h . W^T (+ bias)`` in ``h``'s dtype, from FP8 operands (FP32 accumulation)."""
-        hq, _ = self._cast(h, self.config, self.backend, weight_like=False,
-                           dtype=self.config.fwd_dtype, rows=True, cols=False)
+        hq, _ = quantize_with(h, self.config.fwd_dtype, self.config, weight=False, rows=True,
+                              cols=False, backend=self.backend)
         return granular_mm(hq, self.w_rows, self.backend, bias=bias, out_dtype=h.dtype,
-                           use_fast_accum=self._fast("fprop"))
+                           use_fast_accum=fast_accum(self.config, "fprop"))
 
     def input_grad(self, g: torch.Tensor) -> torch.Tensor:
         """``g . W`` (``dL/dh`` of the chunk) in ``g``'s dtype, from FP8 operands."""
         if self.w_cols is None:
             raise RuntimeError("Fp8Head.prepare(want_dgrad=False) made no W^T operand")
-        gq, _ = self._cast(g, self.config, self.backend, weight_like=False,
-                           dtype=self.config.grad_dtype, rows=True, cols=False)
+        gq, _ = quantize_with(g, self.config.grad_dtype, self.config, weight=False, rows=True,
+                              cols=False, backend=self.backend)
         return granular_mm(gq, self.w_cols, self.backend, out_dtype=g.dtype,
-                           use_fast_accum=self._fast("dgrad"))
-
-    def _fast(self, which: str) -> bool:
-        # Blockwise always promotes to FP32 (granular_mm); rowwise follows the config.
-        return self.config.recipe == "rowwise" and getattr(self.config, f"fast_accum_{which}")
+                           use_fast_accum=fast_accum(self.config, "dgrad"))

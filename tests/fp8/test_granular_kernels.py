@@ -140,6 +140,17 @@ class TestInterpreter:
             for g, r in zip(got, ref):
                 assert_same(g, r, f"block 32 weight={weight}")
 
+    def test_rows_in_registers(self, gc):
+        # The rows-only kernel's one-read path (BLOCK_C >= C): the GPU picks it for C <= 8192.
+        for shape in ((200, 300), (7, 512)):
+            x = make_input(shape, seed=6)
+            for dtype, margin, p2 in SCALINGS:
+                ref, _ = Q.quantize_operands(x, dtype, "rowwise", weight=False, margin=margin,
+                                             power_of_2=p2)
+                for cfg in ((4, 512, 1), (1, 512, 1)):
+                    got = gc.rows_only(x, dtype, margin=margin, power_of_2=p2, config=cfg)
+                    assert_same(got, ref, f"one pass {shape} {cfg} {dtype} {margin} {p2}")
+
     def test_inf_and_extremes(self, gc):
         # float32: the interpreter flushes bfloat16 subnormals to zero when widening them (the
         # GPU does not; test_cuda_path_matches_reference covers bfloat16 extremes).
@@ -219,6 +230,7 @@ def test_cuda_path_matches_reference():
                 for g, r, side in zip(got, ref, ("rows", "cols")):
                     assert_same(g, r, f"cuda {shape} {layout} {side} {dtype} {margin} {p2}")
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    _every_config_matches(x[:1000, :3000].clone() * 3)
     for layout in LAYOUTS:
         recipe, weight, rows, cols = layout
         kw = dict(weight=weight, rows=rows, cols=cols)
@@ -226,3 +238,38 @@ def test_cuda_path_matches_reference():
         t_tri = _median_ms(lambda: Q.quantize_operands(x, E4M3, recipe, backend="triton", **kw))
         print(f"8192x4096 bf16 {layout}: torch eager {t_ref:.3f} ms, triton {t_tri:.3f} ms "
               f"({t_ref / t_tri:.1f}x)")
+
+
+def _every_config_matches(x):
+    """Each config the kernels may be tuned to gives the reference's bytes (the timed pick is
+    whichever is fastest on the machine, so every candidate must be right)."""
+    from fp8boost.fp8.kernels import granular_cast as gc
+
+    x[3, 5] = float("nan")
+    x[100, 7] *= 1000
+    ref_rows, ref_cols = Q.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
+    for cfg in gc.rows_configs(x.shape[1]):
+        assert_same(gc.rows_only(x, E4M3, config=cfg), ref_rows, f"rows {cfg}")
+    saved = gc.ROWWISE_TILE_CONFIGS, gc.BLOCK_WARPS, gc.BLOCK_WARPS_SMALL
+    try:
+        for cfg in saved[0]:
+            gc.ROWWISE_TILE_CONFIGS = (cfg,)  # one candidate: taken untimed
+            gc._RC_CACHE.best.clear()
+            got = gc.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
+            for g, r, side in zip(got, (ref_rows, ref_cols), ("rows", "cols")):
+                assert_same(g, r, f"rows+cols {cfg} {side}")
+        for weight in (False, True):
+            for block in (128, 64):
+                ref = Q.quantize_operands(x, E4M3, "blockwise", weight=weight, cols=True,
+                                          block=block)
+                for warps in saved[1] if block >= 128 else saved[2]:
+                    gc.BLOCK_WARPS = gc.BLOCK_WARPS_SMALL = (warps,)
+                    gc._TILE_CACHE.best.clear()
+                    got = gc.quantize_operands(x, E4M3, "blockwise", weight=weight, cols=True,
+                                               block=block)
+                    for g, r in zip(got, ref):
+                        assert_same(g, r, f"blockwise weight={weight} b={block} w={warps}")
+    finally:
+        gc.ROWWISE_TILE_CONFIGS, gc.BLOCK_WARPS, gc.BLOCK_WARPS_SMALL = saved
+        gc._RC_CACHE.best.clear()
+        gc._TILE_CACHE.best.clear()

@@ -46,8 +46,18 @@ class RowGroups(NamedTuple):
     """The weight's columns (dgrad operand ``W^T[K, N]``)."""
 
 
-def _quantize(x: torch.Tensor, dtype: torch.dtype, cfg: Fp8Config, *, weight: bool,
-              rows: bool, cols: bool, backend=None, rows_group=None, cols_group=None):
+def quantize_with(x: torch.Tensor, dtype: torch.dtype, cfg: Fp8Config, *, weight: bool,
+                  rows: bool, cols: bool, backend=None, rows_group=None, cols_group=None):
+    """``x``'s FP8 operands (rows and/or columns) under ``cfg``'s recipe, block, margin and
+    scale rounding: the one place a config becomes quantizer arguments (Fp8Linear's granular
+    function and the FP8 lm_head both call it).
+
+    Example:
+        >>> q, _ = quantize_with(torch.randn(4, 32), torch.float8_e4m3fn,
+        ...                      Fp8Config(recipe="rowwise"), weight=False, rows=True, cols=False)
+        >>> q.kind
+        'row'
+    """
     # backend triton/cublas: eager CUDA casts take the Triton kernels (the same bytes).
     return quantize_operands(x, dtype, cfg.recipe, weight=weight, rows=rows, cols=cols,
                              block=cfg.block_size, margin=cfg.margin,
@@ -55,7 +65,8 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, cfg: Fp8Config, *, weight: bo
                              rows_group=rows_group, cols_group=cols_group)
 
 
-def _fast_accum(cfg: Fp8Config, which: str) -> bool:
+def fast_accum(cfg: Fp8Config, which: str) -> bool:
+    """Whether GEMM ``which`` (``fprop``/``dgrad``/``wgrad``) uses fast accumulation."""
     # Blockwise is the promoted-accumulation recipe: never fast accumulation.
     return cfg.recipe == "rowwise" and getattr(cfg, f"fast_accum_{which}")
 
@@ -98,7 +109,7 @@ def weight_operands(weight: torch.Tensor, cfg: Fp8Config,
     the same bytes as a cast.
     """
     g = groups or RowGroups()
-    return _quantize(weight.detach(), cfg.fwd_dtype, cfg, weight=True, rows=True, cols=True,
+    return quantize_with(weight.detach(), cfg.fwd_dtype, cfg, weight=True, rows=True, cols=True,
                      rows_group=g.w, cols_group=g.wt)
 
 
@@ -112,7 +123,7 @@ class GranularLinearFunction(torch.autograd.Function):
         g = groups or RowGroups()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
-        xq, xq_t = _quantize(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
+        xq, xq_t = quantize_with(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
                              cols=need_wgrad and not hp_wgrad, backend=backend, rows_group=g.x)
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
         if weight_q is not None:  # made by weight_operands: the same bytes
@@ -121,11 +132,11 @@ class GranularLinearFunction(torch.autograd.Function):
             wq = carrier_operand(weight)
             wq_t = wq.t() if keep_wt else None
         else:
-            wq, wq_t = _quantize(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
+            wq, wq_t = quantize_with(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
                                  cols=keep_wt, backend=backend, rows_group=g.w,
                                  cols_group=g.wt)
         y = granular_mm(xq, wq, backend, bias=bias, out_dtype=x2d.dtype,
-                        use_fast_accum=_fast_accum(cfg, "fprop"))
+                        use_fast_accum=fast_accum(cfg, "fprop"))
         ctx.cfg, ctx.backend, ctx.groups = cfg, backend, g
         ctx.need_dgrad, ctx.need_wgrad, ctx.hp_wgrad = need_dgrad, need_wgrad, hp_wgrad
         ctx.recast = need_dgrad and cfg.recompute_weight_cast
@@ -148,7 +159,7 @@ class GranularLinearFunction(torch.autograd.Function):
         cfg, backend, g = ctx.cfg, ctx.backend, ctx.groups
         x_kind, x_block, w_kind, w_block = ctx.kinds
         dy = dy.contiguous()
-        dyq, dyq_t = _quantize(dy, cfg.grad_dtype, cfg, weight=False, rows=ctx.need_dgrad,
+        dyq, dyq_t = quantize_with(dy, cfg.grad_dtype, cfg, weight=False, rows=ctx.need_dgrad,
                                cols=ctx.need_wgrad and not ctx.hp_wgrad, backend=backend,
                                rows_group=g.dy)
         dx = dw = db = None
@@ -158,12 +169,12 @@ class GranularLinearFunction(torch.autograd.Function):
             elif ctx.recast and isinstance(w_param, Fp8WeightTensor):  # its own bytes again
                 wq_t = carrier_operand(w_param).t()
             elif ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
-                _, wq_t = _quantize(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
+                _, wq_t = quantize_with(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
                                     cols=True, backend=backend, cols_group=g.wt)
             else:
                 wq_t = GranularFp8(wt_data, wt_inv, w_kind, w_block)
             dx = granular_mm(dyq, wq_t, backend, out_dtype=ctx.x_dtype,
-                             use_fast_accum=_fast_accum(cfg, "dgrad"))
+                             use_fast_accum=fast_accum(cfg, "dgrad"))
         if ctx.need_wgrad and ctx.hp_wgrad:
             # torchao's rowwise_with_gw_hp: the unquantized product, in the input's dtype
             # (BF16 in training: a BF16 GEMM with FP32 accumulation).
@@ -171,7 +182,7 @@ class GranularLinearFunction(torch.autograd.Function):
         elif ctx.need_wgrad:
             xq_t = GranularFp8(xt_data, xt_inv, x_kind, x_block)
             dw = granular_mm(dyq_t, xq_t, backend, out_dtype=ctx.w_dtype,
-                             use_fast_accum=_fast_accum(cfg, "wgrad"))
+                             use_fast_accum=fast_accum(cfg, "wgrad"))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
         return dx, dw, db, None, None, None, None

@@ -18,8 +18,9 @@ blockwise tiles (+ ^T)      1      one program per ``b x b`` tile: its ``b`` row
                                    column amaxes, the row-tiled bytes and the transposed
                                    column-tiled bytes, both sets of scales
 blockwise weight (+ ^T)     1      one program per ``b x b`` block: one amax, data, data^T
-rowwise rows only           2      one program per row block, looping over C twice (amax, then
-                                   cast; the second sweep re-reads the block, mostly from L2)
+rowwise rows only           1-2    one program per row block: the whole rows in registers (C up
+                                   to 8192), or looping over C twice (amax, then cast; the second
+                                   sweep re-reads the block, mostly from L2); timed per size class
 rowwise cols (+ rows)       2      amax pass (row and column amaxes at once, integer atomic max),
                                    then one cast pass writing data and data^T
 ==========================  =====  ==============================================================
@@ -53,14 +54,26 @@ TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e
 FP8_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
 # Power-of-2 scales with a larger margin can be subnormal (fp8_max / 2**7 / FP32 max < 2**-126).
 MAX_POW2_MARGIN = 6
-# (BLOCK_R, BLOCK_C, num_warps) of the rowwise kernels on the GPU and under the interpreter.
-ROWWISE_TILE = (64, 128, 8)
+# (BLOCK_R, BLOCK_C, num_warps) of the rowwise rows + columns^T kernels (amax pass and cast
+# pass), timed once per size class on the GPU; the first is the untimed default.
+ROWWISE_TILE_CONFIGS = ((64, 128, 8), (32, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 8),
+                        (32, 256, 8), (64, 256, 8))
+# num_warps of the blockwise tile kernel (one program per block x block tile), timed likewise;
+# blocks under 128 start from 4.
+BLOCK_WARPS = (8, 4, 16, 2)
+BLOCK_WARPS_SMALL = (4, 2, 8)
 # (BLOCK_R, BLOCK_C, num_warps) of the rows-only kernel, timed once per size class on the GPU.
 # The second sweep over a row block should hit L2: fewer rows per program keep the blocks in
 # flight small (16 x 4096 BF16 rows = 128 KiB a program).
 ROWS_LOOP_CONFIGS = ((16, 512, 8), (8, 512, 4), (4, 1024, 4), (8, 256, 4))
+# Whole rows in registers up to 8192 elements (32 KiB of FP32 a row; 4 rows with 8 warps
+# is 128 values a thread).
+ONE_PASS_MAX_C = 8192
+ONE_PASS_MAX_TILE = 16384
 ROWS_TUNE_MIN_NUMEL = 1 << 24  # smaller inputs take the first config untimed (compiles cost)
 _ROWS_CACHE = ConfigCache("rows-cast")
+_RC_CACHE = ConfigCache("rows-cols-cast")
+_TILE_CACHE = ConfigCache("tile-cast")
 _INTERP_TILE = (32, 64, 1)
 
 
@@ -192,27 +205,53 @@ def _amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, R, C, stride_r, stride_c,
 def _rows_kernel(x_ptr, q_ptr, inv_ptr, R, C, stride_r, stride_c, fmax, target,
                  POW2: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
                  MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, IDX64: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Rowwise rows only: one program per BLOCK_R rows, sweeping C twice (amax, then cast).
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr):
+    # Rowwise rows only: one program per BLOCK_R rows, sweeping C twice (amax, then cast);
+    # ONE_PASS (BLOCK_C >= C): the whole rows stay in registers, x is loaded once.
     pid = tl.program_id(0)
     offs_r, offs_c0 = tile_offsets(pid, 0, R, C, BLOCK_R, BLOCK_C, IDX64)
     in_r = offs_r < R
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + offs_c0
-        mask = in_r[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
-                    other=0.0)
-        acc = tl.maximum(acc, abs_bits(x))
-    s = tl_scale_from_amax(tl.max(acc, axis=1).to(tl.float32, bitcast=True), target, POW2)
-    tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s), mask=in_r)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + offs_c0
-        mask = in_r[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
-                    other=0.0).to(tl.float32)
-        q = fp8_bytes(x, s[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
-        tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+    if ONE_PASS:
+        mask1 = in_r[:, None] & (offs_c0[None, :] < C)
+        xr = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c0[None, :] * stride_c,
+                     mask=mask1, other=0.0)
+        s1 = tl_scale_from_amax(tl.max(abs_bits(xr), axis=1).to(tl.float32, bitcast=True),
+                                target, POW2)
+        tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s1), mask=in_r)
+        q1 = fp8_bytes(xr.to(tl.float32), s1[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS,
+                       MIN_EXP)
+        tl.store(q_ptr + offs_r[:, None] * C + offs_c0[None, :], q1, mask=mask1)
+    else:  # distinct names: Triton types both branches, and the loops carry theirs
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            offs_c = c0 + offs_c0
+            mask = in_r[:, None] & (offs_c[None, :] < C)
+            x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+                        mask=mask, other=0.0)
+            acc = tl.maximum(acc, abs_bits(x))
+        s = tl_scale_from_amax(tl.max(acc, axis=1).to(tl.float32, bitcast=True), target, POW2)
+        tl.store(inv_ptr + offs_r, tl.math.div_rn(1.0, s), mask=in_r)
+        for c0 in range(0, C, BLOCK_C):
+            offs_c = c0 + offs_c0
+            mask = in_r[:, None] & (offs_c[None, :] < C)
+            x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+                        mask=mask, other=0.0).to(tl.float32)
+            q = fp8_bytes(x, s[:, None], fmax, OUT_DTYPE, EMULATE, MANT_BITS, MIN_EXP)
+            tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+
+
+def rows_configs(c: int) -> tuple:
+    """The rows-only kernel's candidates for rows of ``c`` elements: the whole row in registers
+    (one read of x) first where it fits, then the two-sweep loops.
+
+    Example:
+        >>> rows_configs(4096)[0]
+        (2, 4096, 8)
+    """
+    width = triton.next_power_of_2(c)
+    one_pass = tuple(cfg for cfg in ((2, width, 8), (1, width, 4), (4, width, 8), (1, width, 8))
+                     if width <= ONE_PASS_MAX_C and cfg[0] * width <= ONE_PASS_MAX_TILE)
+    return one_pass + ROWS_LOOP_CONFIGS
 
 
 def supports(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, block: int = 128,
@@ -274,38 +313,76 @@ def _launch_tiles(x, dtype, mode, rows, cols, br, bc, warps, kw, ramax=None, cam
     return data, inv, data_t, inv_t
 
 
-def _rowwise(x, dtype, rows, cols, kw):
+def rows_only(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_2: bool = False,
+              config: Optional[tuple] = None) -> GranularFp8:
+    """Rowwise rows of ``x`` (one scale per row) by the rows-only kernel: ``config``
+    ``(BLOCK_R, BLOCK_C, num_warps)``, or None for the one timed once per size class (the
+    first candidate of :func:`rows_configs` below ``ROWS_TUNE_MIN_NUMEL`` elements; the
+    interpreter's small tile under ``TRITON_INTERPRET=1``). Every config gives the same bytes."""
     r, c = x.shape
     dev = x.device
     fmax = fp8_max(dtype)
+    common = _common(x, dtype, margin, power_of_2)
+    data = torch.empty((r, c), dtype=dtype, device=dev)
+    inv = torch.empty((r, 1), dtype=torch.float32, device=dev)
+
+    def run(cfg):
+        br, bc, warps = cfg
+        _rows_kernel[(triton.cdiv(r, br),)](
+            x, data.view(torch.uint8), inv, r, c, x.stride(0), x.stride(1), fmax,
+            fmax / (2.0 ** margin), BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+            ONE_PASS=bc >= c, **common)
+
+    if config is not None:
+        run(config)
+    elif interpreting():
+        run(_INTERP_TILE)
+    else:
+        key = (bucket(r), bucket(c), x.dtype, dev.index)
+        run(_ROWS_CACHE.pick(key, rows_configs(c), run, bench=r * c >= ROWS_TUNE_MIN_NUMEL))
+    return GranularFp8(data, inv, "row")
+
+
+def _rowwise(x, dtype, rows, cols, kw):
+    r, c = x.shape
+    dev = x.device
     common = _common(x, dtype, kw["margin"], kw["power_of_2"])
     if not cols:  # rows only: one launch, one program per row block
-        data = torch.empty((r, c), dtype=dtype, device=dev)
-        inv = torch.empty((r, 1), dtype=torch.float32, device=dev)
-
-        def run(cfg):
-            br, bc, warps = cfg
-            _rows_kernel[(triton.cdiv(r, br),)](
-                x, data.view(torch.uint8), inv, r, c, x.stride(0), x.stride(1), fmax,
-                fmax / (2.0 ** kw["margin"]), BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
-                **common)
-
-        if interpreting():
-            run(_INTERP_TILE)
-        else:
-            key = (bucket(r), bucket(c), x.dtype, dev.index)
-            run(_ROWS_CACHE.pick(key, ROWS_LOOP_CONFIGS, run,
-                                 bench=r * c >= ROWS_TUNE_MIN_NUMEL))
-        return GranularFp8(data, inv, "row"), None
-    br, bc, warps = _INTERP_TILE if interpreting() else ROWWISE_TILE
+        return rows_only(x, dtype, **kw), None
     ramax = torch.zeros(r, dtype=torch.int32, device=dev)
     camax = torch.zeros(c, dtype=torch.int32, device=dev)
-    _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
-        x, ramax, camax, r, c, x.stride(0), x.stride(1), ROWS=bool(rows), COLS=True,
-        IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
-    data, inv, data_t, inv_t = _launch_tiles(x, dtype, 2, rows, True, br, bc, warps, kw,
-                                             ramax, camax)
+    out = []
+
+    def run(cfg):  # both passes; a re-run (tuning) re-takes the same maxima: idempotent
+        br, bc, warps = cfg
+        _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
+            x, ramax, camax, r, c, x.stride(0), x.stride(1), ROWS=bool(rows), COLS=True,
+            IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+        out[:] = _launch_tiles(x, dtype, 2, rows, True, br, bc, warps, kw, ramax, camax)
+
+    if interpreting():
+        run(_INTERP_TILE)
+    else:
+        key = (bucket(r), bucket(c), x.dtype, bool(rows), dev.index)
+        run(_RC_CACHE.pick(key, ROWWISE_TILE_CONFIGS, run, bench=r * c >= ROWS_TUNE_MIN_NUMEL))
+    data, inv, data_t, inv_t = out
     return (GranularFp8(data, inv, "row") if rows else None), GranularFp8(data_t, inv_t, "row")
+
+
+def _blockwise(x, dtype, weight, rows, cols, block, kw):
+    mode = 1 if weight else 0
+    if interpreting():
+        return _launch_tiles(x, dtype, mode, rows, cols, block, block, 1, kw)
+    out = []
+
+    def run(warps):
+        out[:] = _launch_tiles(x, dtype, mode, rows, cols, block, block, warps, kw)
+
+    candidates = BLOCK_WARPS if block >= 128 else BLOCK_WARPS_SMALL
+    key = (bucket(x.shape[0]), bucket(x.shape[1]), x.dtype, mode, bool(rows), bool(cols), block,
+           x.device.index)
+    run(_TILE_CACHE.pick(key, candidates, run, bench=x.numel() >= ROWS_TUNE_MIN_NUMEL))
+    return tuple(out)
 
 
 def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weight: bool,
@@ -345,9 +422,7 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
     kw = {"margin": margin, "power_of_2": power_of_2}
     if recipe == "rowwise":
         return _rowwise(x, dtype, rows, cols, kw)
-    warps = 1 if interpreting() else (8 if block >= 128 else 4)
-    data, inv, data_t, inv_t = _launch_tiles(x, dtype, 1 if weight else 0, rows, cols, block,
-                                             block, warps, kw)
+    data, inv, data_t, inv_t = _blockwise(x, dtype, weight, rows, cols, block, kw)
     kind = "block" if weight else "tile"
     return (GranularFp8(data, inv, kind, block) if rows else None,
             GranularFp8(data_t, inv_t, kind, block) if cols else None)
