@@ -6,7 +6,8 @@ in ``precision`` through ``MixedPrecisionPolicy``; gradients reduce-scatter in F
 """
 from __future__ import annotations
 
-from typing import ContextManager
+from types import MappingProxyType
+from typing import Callable, ContextManager, Mapping, Optional
 
 import torch
 from torch import nn
@@ -21,7 +22,6 @@ from fp8boost.parallel.fsdp.fp8_all_gather import enable_fp8_all_gather, set_fp8
 from fp8boost.parallel.fsdp.optimizer import FsdpOptimizer
 from fp8boost.parallel.wrappers import DTYPES, cast_buffers_, cast_params_
 
-from .colossal_args_fsdp import apply_param_init_fn
 from .delayed_amax import reduce_delayed_amax
 from .plugin_base import Plugin
 from .precision import make_loss_scaler
@@ -39,13 +39,19 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, old: dict[int, str],
 
 class FsdpPluginBase(Plugin):
     """configure's steps for the FSDP2 plugins; subclasses validate and keep their own options
-    (``reshard_after_forward``, ``cpu_offload``, ``norm_type``, ``allow_no_sync``)."""
+    (``reshard_after_forward``, ``cpu_offload``, ``norm_type``, ``allow_no_sync``,
+    ``param_init_fn``, ``loss_scale_kwargs``)."""
 
     comm_engine = "fsdp"  # the plan: which weights FSDP2 gathers in FP8, the reduce-scatter
 
     norm_type = 2.0
     reshard_after_forward, cpu_offload = True, False
     allow_no_sync = True
+    #: called on each module holding meta tensors instead of fp8boost's init (None: ours)
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None
+    #: more fp16 ``DynamicLossScaler`` keywords (``min_scale``, ...; Colossal-AI's classes set
+    #: them from their arguments); empty: the scaler's defaults
+    loss_scale_kwargs: Mapping[str, float] = MappingProxyType({})
 
     def get_checkpoint_io(self):
         return DTensorCheckpointIO(self)
@@ -81,8 +87,8 @@ class FsdpPluginBase(Plugin):
         self._fp8_all_gather(model)
         param_dtype = None if self.precision == "fp32" else DTYPES[self.precision]
         wiring.apply_fsdp(model, mesh, param_dtype, self.reshard_after_forward, self.cpu_offload)
-        if self._lazy and getattr(self, "param_init_fn", None) is not None:
-            apply_param_init_fn(model, self.param_init_fn)  # FSDP1's meaning (TorchFSDPPlugin)
+        if self._lazy and self.param_init_fn is not None:
+            wiring.apply_param_init_fn(model, self.param_init_fn)  # FSDP1's meaning
         elif self._lazy:
             wiring.materialize(model, torch.device("cpu") if self.cpu_offload else device,
                                shard_rank=mesh.get_local_rank())
@@ -95,7 +101,7 @@ class FsdpPluginBase(Plugin):
         rebind_optimizer(optimizer, self._param_names, model)
         return FsdpOptimizer(optimizer, model, self.max_norm, self.norm_type,
                              make_loss_scaler(self.precision, self.initial_scale,
-                                              self.growth_interval),
+                                              self.growth_interval, **self.loss_scale_kwargs),
                              fp8_scales=self.comm_plan.param_all_gather.fp8,
                              allow_no_sync=self.allow_no_sync,
                              group=self.topology().submesh("dp").get_group(), comm_device=device)

@@ -9,7 +9,7 @@ whole model is one stage. :func:`plan_checkpointing` decides (no side effect, ``
 before any collective); :func:`apply_checkpointing` sets the flags.
 
 Example:
-    >>> from fp8boost.colossal.shardformer import PipelineGradientCheckpointConfig
+    >>> from fp8boost.plugins.grad_ckpt_config import PipelineGradientCheckpointConfig
     >>> import torch.nn as nn
     >>> class Block(nn.Module):
     ...     gradient_checkpointing = True
@@ -28,9 +28,22 @@ from torch import nn
 
 from fp8boost import _state
 
-from .grad_ckpt_config import PipelineGradientCheckpointConfig
+from .grad_ckpt_config import GradientCheckpointConfig, PipelineGradientCheckpointConfig
 
 logger = logging.getLogger("fp8boost.plugins")
+
+
+def check_ckpt_config(config: object) -> Optional[GradientCheckpointConfig]:
+    """``gradient_checkpoint_config`` of the hybrid plugins: None or a config.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if config is not None and not isinstance(config, GradientCheckpointConfig):
+        raise TypeError("gradient_checkpoint_config must be a fp8boost.colossal.shardformer."
+                        "(Pipeline)GradientCheckpointConfig or None, got "
+                        f"{type(config).__name__}")
+    return config
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

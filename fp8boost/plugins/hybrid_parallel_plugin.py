@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,11 @@ from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.wrappers import DTYPES, ModelWrapper
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .colossal_args import hybrid_args, loss_scale_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
-from .grad_ckpt import apply_checkpointing, plan_checkpointing
+from .grad_ckpt import apply_checkpointing, check_ckpt_config, plan_checkpointing
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
+from .precision import make_loss_scaler
 
 logger = logging.getLogger("fp8boost.plugins")
 PIPELINE_ARGS = ("num_microbatches", "microbatch_size", "num_layers_per_stage")
@@ -129,21 +130,11 @@ class HybridParallelPlugin(Plugin):
             ``(Pipeline)GradientCheckpointConfig``: with ``model.gradient_checkpointing_enable()``
             only the first ``get_num_ckpt_layers(...)`` decoder layers of each stage (the whole
             model at pp_size=1) recompute; the others stop (``grad_ckpt.py``).
-        zero_bucket_size_in_m: Colossal-AI's name of ``reduce_bucket_size_in_m`` (default None:
-            fp8boost's 12, or 64 with FP8 communication). communication_dtype: None or the
-            working dtype (another dtype raises: use ``fp8_communication``).
-        min_scale, growth_factor, backoff_factor, max_scale: fp16 loss scaling, as Colossal-AI;
-            hysteresis: only 1 is implemented (other values: INFO under fp16).
-        scheduler_nodes: accepted with ``pp_style="zbv"`` but not replayed: torch's ZBV
-            schedule runs (INFO; ``fp8boost.colossal.pipeline.schedule.v_schedule``).
-        parallel_output: True (logits stay vocabulary-parallel); False raises with tp_size > 1.
-        enable_all_optimization, enable_fused_normalization, enable_flash_attention,
-            enable_jit_fused, enable_sequence_overlap, enable_metadata_cache, overlap_p2p,
-            overlap_allgather, dp_outside, make_vocab_size_divisible_by, inner_ring_size,
-            broadcast_buffers, ddp_bucket_cap_mb, find_unused_parameters, check_reduction,
-            gradient_as_bucket_view, static_graph: Colossal-AI's tuning of its own internals
-            (Shardformer kernels, its P2P, DDP): accepted; a non-default value logs once what
-            fp8boost does instead (``colossal_args.hybrid_args``).
+
+    Colossal-AI's own arguments (``zero_bucket_size_in_m``, ``communication_dtype``,
+    loss-scaling details, ``scheduler_nodes``, ``parallel_output``, Shardformer and DDP
+    tuning, ...) are taken by ``fp8boost.colossal.booster.plugin.HybridParallelPlugin``, which
+    maps them onto these.
 
     The model's ``logits`` output is this rank's vocabulary slice (``[..., vocab / tp_size]``);
     the HF ``loss`` is computed from the slices without gathering them.
@@ -156,6 +147,10 @@ class HybridParallelPlugin(Plugin):
         >>> # under torchrun: model, optimizer, *_ = booster.boost(model, optimizer)
     """
 
+    #: more fp16 ``DynamicLossScaler`` keywords (``min_scale``, ...; Colossal-AI's class sets
+    #: them from its arguments); empty: the scaler's defaults
+    loss_scale_kwargs: Mapping[str, float] = MappingProxyType({})
+
     def __init__(self, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
                  enable_sequence_parallelism: bool = False,
                  sequence_parallelism_mode: Optional[str] = None, custom_policy=None, *,
@@ -163,45 +158,10 @@ class HybridParallelPlugin(Plugin):
                  reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1,
-                 num_layers_per_stage: Optional[list] = None,
-                 enable_all_optimization: bool = False, enable_fused_normalization: bool = False,
-                 enable_flash_attention: bool = False, enable_jit_fused: bool = False,
-                 enable_sequence_overlap: bool = False, parallel_output: bool = True,
-                 min_scale: float = 1, growth_factor: float = 2, backoff_factor: float = 0.5,
-                 hysteresis: int = 2, max_scale: float = 2 ** 32, broadcast_buffers: bool = True,
-                 ddp_bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, zero_bucket_size_in_m: Optional[float] = None,
-                 communication_dtype: Optional[torch.dtype] = None, scheduler_nodes=None,
-                 gradient_checkpoint_config=None, enable_metadata_cache: bool = True,
-                 make_vocab_size_divisible_by: int = 64, dp_outside: bool = True,
-                 overlap_p2p: bool = True, overlap_allgather: bool = False,
-                 inner_ring_size: Optional[int] = None, **options) -> None:
+                 num_layers_per_stage: Optional[list] = None, gradient_checkpoint_config=None,
+                 **options) -> None:
         super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
-        # Colossal-AI's own arguments (colossal_args.hybrid_args): checked, mapped or logged.
-        self.colossal = hybrid_args(
-            tp_size=tp_size, pp_size=pp_size, pp_style=pp_style, precision=self.precision,
-            reduce_bucket_size_in_m=reduce_bucket_size_in_m,
-            zero_bucket_size_in_m=zero_bucket_size_in_m, communication_dtype=communication_dtype,
-            scheduler_nodes=scheduler_nodes, gradient_checkpoint_config=gradient_checkpoint_config,
-            parallel_output=parallel_output,
-            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-            inner_ring_size=inner_ring_size,
-            loss_scale=loss_scale_args("hybrid", self.precision, min_scale=min_scale,
-                                       growth_factor=growth_factor, backoff_factor=backoff_factor,
-                                       hysteresis=hysteresis, max_scale=max_scale),
-            tuning=dict(enable_all_optimization=enable_all_optimization,
-                        enable_fused_normalization=enable_fused_normalization,
-                        enable_flash_attention=enable_flash_attention,
-                        enable_jit_fused=enable_jit_fused,
-                        enable_sequence_overlap=enable_sequence_overlap,
-                        broadcast_buffers=broadcast_buffers, ddp_bucket_cap_mb=ddp_bucket_cap_mb,
-                        find_unused_parameters=find_unused_parameters,
-                        check_reduction=check_reduction,
-                        gradient_as_bucket_view=gradient_as_bucket_view,
-                        static_graph=static_graph, enable_metadata_cache=enable_metadata_cache,
-                        dp_outside=dp_outside, overlap_p2p=overlap_p2p,
-                        overlap_allgather=overlap_allgather))
+        self.gradient_checkpoint_config = check_ckpt_config(gradient_checkpoint_config)
         self.tp_size = _check_int("tp_size", tp_size, 1)
         self.pp_size = _check_int("pp_size", pp_size, 1)
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
@@ -217,7 +177,7 @@ class HybridParallelPlugin(Plugin):
                                             microbatch_size, pp_style, num_model_chunks,
                                             num_layers_per_stage)
         check_custom_policy(custom_policy)
-        self.reduce_bucket_numel = check_bucket_size(self.colossal.reduce_bucket_size_in_m,
+        self.reduce_bucket_numel = check_bucket_size(reduce_bucket_size_in_m,
                                                      self.fp8_communication)
         self.zero_stage = zero_stage
         self.enable_sequence_parallelism = enable_sequence_parallelism
@@ -274,7 +234,7 @@ class HybridParallelPlugin(Plugin):
         validate_ulysses(model, self.sp_size, self.tp_size, self.pp_size)
         self._layout = pipeline_layout(model, self.pp_size, self.pipeline) \
             if self.pipeline else None
-        self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
+        self._ckpt_flags = plan_checkpointing(model, self.gradient_checkpoint_config,
                                               self._layout)  # before any collective
 
     def _check_moe_sequence_parallel(self, model: nn.Module) -> None:
@@ -344,8 +304,8 @@ class HybridParallelPlugin(Plugin):
             overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
-            loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
-                                    self.colossal.loss_scale),
+            loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
+                                         self.growth_interval, **self.loss_scale_kwargs),
             comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model),
             tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,

@@ -1,7 +1,8 @@
 """LowLevelZeroPlugin: ZeRO stage 1/2 over the data-parallel ranks (``parallel/zero``)."""
 from __future__ import annotations
 
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -10,10 +11,10 @@ from fp8boost.parallel.comm.plan import PARAM_GATHER
 from fp8boost.parallel.distributed import broadcast_module
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .colossal_args import loss_scale_args, low_level_zero_args, make_scaler
 from .delayed_amax import reduce_delayed_amax
 from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
+from .precision import make_loss_scaler
 
 FP8_PARAM_GATHER = PARAM_GATHER  # the plan (parallel/comm/plan.py) resolves the choice
 
@@ -50,17 +51,10 @@ class LowLevelZeroPlugin(Plugin):
             layers, whose consumer is an FP8 GEMM that quantizes them to e4m3 anyway;
             ``"all"`` every parameter (most bytes saved, but e4m3 cannot hold small updates of
             e.g. norm weights near 1.0, where its step is 0.125); ``"none"`` gradients only.
-        min_scale, growth_factor, backoff_factor, max_scale: fp16 loss scaling, as Colossal-AI
-            (``hysteresis``: only 1 is implemented; other values log once under fp16).
-        norm_type, communication_dtype, overlap_allgather, verbose, cast_inputs, extra_dp_size:
-            Colossal-AI's arguments (``colossal_args.low_level_zero_args``): ``norm_type`` must
-            be 2.0, ``communication_dtype`` None or the working dtype, ``cast_inputs`` True and
-            ``extra_dp_size`` 1 (else ``ValueError`` naming the alternative);
-            ``overlap_allgather``/``verbose`` tune Colossal-AI internals (INFO once).
-            Colossal-AI's defaults ``stage=1``, ``precision="fp16"``, ``initial_scale=2**32``
-            differ from fp8boost's (2, ``"bf16"``, 2**16: FP8 training wants BF16).
 
-    Every argument is checked here, before any process group is touched.
+    Colossal-AI's own arguments (``norm_type``, ``communication_dtype``, loss-scaling details,
+    ...) are taken by ``fp8boost.colossal.booster.plugin.LowLevelZeroPlugin``, which maps them
+    onto these. Every argument is checked here, before any process group is touched.
 
     Example:
         >>> from fp8boost.booster import Booster
@@ -69,23 +63,15 @@ class LowLevelZeroPlugin(Plugin):
         >>> # model, optimizer, _, loader, _ = booster.boost(model, optimizer, dataloader=loader)
     """
 
+    #: more fp16 ``DynamicLossScaler`` keywords (``min_scale``, ...; Colossal-AI's class sets
+    #: them from its arguments); empty: the scaler's defaults
+    loss_scale_kwargs: Mapping[str, float] = MappingProxyType({})
+
     def __init__(self, stage: int = 2, *, overlap_communication: bool = True,
                  reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
                  master_weights: bool = True, fp8_param_gather: str = "fp8_linear",
-                 norm_type: float = 2.0, min_scale: float = 1, growth_factor: float = 2,
-                 backoff_factor: float = 0.5, hysteresis: int = 2, max_scale: float = 2 ** 32,
-                 communication_dtype: Optional[torch.dtype] = None,
-                 overlap_allgather: bool = False, verbose: bool = False, cast_inputs: bool = True,
-                 extra_dp_size: int = 1, **options) -> None:
+                 **options) -> None:
         super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
-        # Colossal-AI's own arguments (colossal_args): checked, mapped or logged.
-        low_level_zero_args(precision=self.precision, norm_type=norm_type,
-                            communication_dtype=communication_dtype,
-                            overlap_allgather=overlap_allgather, verbose=verbose,
-                            cast_inputs=cast_inputs, extra_dp_size=extra_dp_size)
-        self.loss_scale_kwargs = loss_scale_args(
-            "low_level_zero", self.precision, min_scale=min_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, hysteresis=hysteresis, max_scale=max_scale)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-3 is GeminiPlugin), got {stage!r}")
         for name, value in (("overlap_communication", overlap_communication),
@@ -130,8 +116,8 @@ class LowLevelZeroPlugin(Plugin):
             master_weights=self.master_weights, overlap_communication=self.overlap_communication,
             reduce_bucket_numel=self.reduce_bucket_numel, max_norm=self.max_norm,
             cpu_offload=self.cpu_offload,
-            loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
-                                    self.loss_scale_kwargs),
+            loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
+                                         self.growth_interval, **self.loss_scale_kwargs),
             comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model))
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
         return opt

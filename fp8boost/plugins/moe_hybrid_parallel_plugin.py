@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import replace
-from typing import ContextManager, Optional
+from types import MappingProxyType
+from typing import ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,8 @@ from fp8boost.parallel.ep import (Stage0Optimizer, average_over_ep, check_expert
                                   reduce_moe_gradients, register_ep_hooks, shard_experts)
 from fp8boost.parallel.mesh import ParallelDims
 from fp8boost.parallel.pipeline.hybrid import (PipelineModel, broadcast_stage, build_runner,
-                                               checked_execute_pipeline, pipeline_layout,
-                                               stage_plan, strip_model)
+                                               check_pipeline_args, checked_execute_pipeline,
+                                               pipeline_layout, stage_plan, strip_model)
 from fp8boost.parallel.pipeline.stage_manager import PipelineStageManager
 from fp8boost.parallel.sp.setup import replica_groups
 from fp8boost.parallel.tp import apply_tp, check_plan, resolve_plan
@@ -48,12 +49,11 @@ from fp8boost.parallel.tp.input_guard import ReplicaInputGuard, debug_every_step
 from fp8boost.parallel.wrappers import DTYPES, ModelWrapper
 from fp8boost.parallel.zero import ZeroOptimizer
 
-from .colossal_args import loss_scale_args, make_scaler
-from .colossal_args_moe import check_moe_layout, moe_args
-from .grad_ckpt import apply_checkpointing, plan_checkpointing
+from .grad_ckpt import apply_checkpointing, check_ckpt_config, plan_checkpointing
 from .hybrid_parallel_plugin import check_custom_policy
-from .options import check_bucket_size, takes_plugin_options
+from .options import check_bool, check_bucket_size, takes_plugin_options
 from .plugin_base import Plugin
+from .precision import make_loss_scaler
 
 
 def _world_hint() -> int:
@@ -63,14 +63,48 @@ def _world_hint() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-@takes_plugin_options(positional=("tp_size", "pp_size", "ep_size", "sp_size", "precision",
-                                  "zero_stage"))
+def check_moe_layout(*, tp_size: int, pp_size: int, ep_size: int, zero_stage: int,
+                     moe_dp_outside: bool) -> None:
+    """Sizes and layout: positive ints, ZeRO 0/1/2 (before any collective).
+
+    Raises:
+        ValueError: a bad size or ``zero_stage`` outside 0/1/2.
+        TypeError: ``moe_dp_outside`` is not a bool.
+    """
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("ep_size", ep_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+        raise ValueError(f"MoeHybridParallelPlugin: zero_stage must be 0, 1 or 2, got "
+                         f"{zero_stage!r}")
+    check_bool("moe_dp_outside", moe_dp_outside)
+
+
+def check_moe_pipeline(pp_size: int, zero_stage: int, pipeline: dict):
+    """``HybridParallelPlugin``'s pipeline rules (``check_pipeline_args``: INFO for options at
+    ``pp_size=1``), less ``pp_style="zbv"``; the ``PipelineOptions`` (None at ``pp_size=1``).
+
+    Raises:
+        ValueError: bad pipeline options, or ``pp_style="zbv"``.
+    """
+    options = check_pipeline_args(pp_size, zero_stage, **pipeline)
+    if options is not None and options.pp_style == "zbv":
+        # torch's ZBV splits each backward into an input and a weight pass; through the
+        # expert dispatch (EpExperts) the weight pass meets freed saved tensors (measured:
+        # RuntimeError "backward through the graph a second time", at ep_size 1 and 2)
+        raise ValueError("MoeHybridParallelPlugin(pp_style='zbv') is not supported: the "
+                         "zero-bubble schedule's split weight-gradient pass fails through the "
+                         "expert dispatch; use pp_style='1f1b' or 'interleaved'")
+    return options
+
+
+@takes_plugin_options(positional=("tp_size", "pp_size", "ep_size", "precision", "zero_stage"))
 class MoeHybridParallelPlugin(Plugin):
     """Expert parallelism over ``ep_size`` ranks x tensor parallelism x data parallelism.
 
-    Every argument of Colossal-AI v0.5.0's ``MoeHybridParallelPlugin`` is accepted
-    (``colossal_args_moe``): those shared with ``HybridParallelPlugin`` mean what they mean
-    there; Colossal-AI's internals (fused kernels, DDP, P2P tuning) log one INFO line.
+    Colossal-AI v0.5.0's ``MoeHybridParallelPlugin`` arguments (sequence-parallel switches,
+    ``zero_bucket_size_in_m``, loss-scaling details, Shardformer, DDP and P2P tuning) are taken
+    by ``fp8boost.colossal.booster.plugin.MoeHybridParallelPlugin``, which maps them onto these.
 
     Args:
         tp_size: tensor-parallel ranks per replica (consecutive ranks); as in
@@ -84,7 +118,6 @@ class MoeHybridParallelPlugin(Plugin):
             last stage never sees the other stages' router logits.
         ep_size: ranks an MoE layer's experts are split over; divides
             ``world / (pp_size x tp_size)`` and every MoE layer's expert count.
-        sp_size: None or 1 (sequence parallelism is refused).
         zero_stage: 0 (whole optimizer state on every rank; gradients all-reduced), 1 or 2
             (ZeRO over the moe-dp group, ``world/(ep x tp)`` ranks: see :meth:`wrap_optimizer`).
         precision: ``"bf16"`` (default; Colossal-AI defaults to ``"fp16"``), ``"fp16"`` or
@@ -97,20 +130,10 @@ class MoeHybridParallelPlugin(Plugin):
         moe_dp_outside: Colossal-AI's layout switch: ``(moe_dp, pp, ep, tp)`` (True) or
             ``(pp, moe_dp, ep, tp)``; with ``pp_size=1`` both are one layout
             (``parallel/mesh.py``).
-        custom_policy, parallel_output, gradient_checkpoint_config, zero_bucket_size_in_m,
-            communication_dtype, min_scale, growth_factor, backoff_factor, max_scale,
-            hysteresis, cpu_offload: as in ``HybridParallelPlugin``.
-        overlap_communication: accepted; gradients are reduced after the backward (INFO when
-            True; Colossal-AI turns it off for MoE too).
-        enable_sequence_parallelism: True raises; sequence_parallelism_mode is then ignored
-            (INFO). num_microbatches, microbatch_size, pp_style, num_model_chunks,
-            num_layers_per_stage, scheduler_nodes: as in ``HybridParallelPlugin``; ignored at
-            ``pp_size=1`` (INFO).
-        enable_all_optimization, enable_fused_normalization, enable_flash_attention,
-            enable_jit_fused, enable_metadata_cache, make_vocab_size_divisible_by,
-            overlap_p2p, overlap_allgather, broadcast_buffers, ddp_bucket_cap_mb,
-            find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph:
-            Colossal-AI's internals: a non-default value logs once what fp8boost does instead.
+        custom_policy, gradient_checkpoint_config, reduce_bucket_size_in_m, cpu_offload: as
+            in ``HybridParallelPlugin``.
+        num_microbatches, microbatch_size, pp_style, num_model_chunks, num_layers_per_stage:
+            as in ``HybridParallelPlugin``; ignored at ``pp_size=1`` (INFO).
         **options: the shared plugin options (``max_norm``: the global norm over every
             expert of every rank, every stage, tp shards, and the replicated parameters once).
 
@@ -130,62 +153,36 @@ class MoeHybridParallelPlugin(Plugin):
         >>> # out = booster.execute_pipeline(iter(loader), model, optimizer=opt)
     """
 
+    #: more fp16 ``DynamicLossScaler`` keywords (``min_scale``, ...; Colossal-AI's class sets
+    #: them from its arguments); empty: the scaler's defaults
+    loss_scale_kwargs: Mapping[str, float] = MappingProxyType({})
+
     def __init__(self, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
-                 sp_size: Optional[int] = None, zero_stage: int = 0, *,
-                 enable_all_optimization: bool = False, enable_fused_normalization: bool = False,
-                 enable_flash_attention: bool = False, enable_jit_fused: bool = False,
-                 enable_sequence_parallelism: bool = False,
-                 sequence_parallelism_mode: Optional[str] = None, parallel_output: bool = True,
+                 zero_stage: int = 0, *, moe_dp_outside: bool = True, custom_policy=None,
+                 cpu_offload: bool = False, reduce_bucket_size_in_m: Optional[float] = None,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
-                 min_scale: float = 1, growth_factor: float = 2, backoff_factor: float = 0.5,
-                 hysteresis: int = 2, max_scale: float = 2 ** 32, broadcast_buffers: bool = True,
-                 ddp_bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, zero_bucket_size_in_m: Optional[float] = None,
-                 cpu_offload: bool = False, communication_dtype: Optional[torch.dtype] = None,
-                 overlap_communication: bool = False, custom_policy=None, pp_style: str = "1f1b",
-                 num_model_chunks: int = 1, scheduler_nodes=None,
+                 pp_style: str = "1f1b", num_model_chunks: int = 1,
                  num_layers_per_stage: Optional[list] = None, gradient_checkpoint_config=None,
-                 enable_metadata_cache: bool = True, make_vocab_size_divisible_by: int = 64,
-                 moe_dp_outside: bool = True, overlap_p2p: bool = True,
-                 overlap_allgather: bool = False, **options) -> None:
+                 **options) -> None:
         super().__init__(**options)
         check_moe_layout(tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
                          zero_stage=zero_stage, moe_dp_outside=moe_dp_outside)
-        self.colossal = moe_args(
-            tp_size=tp_size, pp_size=pp_size, sp_size=sp_size, precision=self.precision,
-            zero_stage=zero_stage, enable_sequence_parallelism=enable_sequence_parallelism,
-            sequence_parallelism_mode=sequence_parallelism_mode, parallel_output=parallel_output,
-            pipeline=dict(num_microbatches=num_microbatches, microbatch_size=microbatch_size,
-                          pp_style=pp_style, num_model_chunks=num_model_chunks,
-                          num_layers_per_stage=num_layers_per_stage),
-            zero_bucket_size_in_m=zero_bucket_size_in_m, communication_dtype=communication_dtype,
-            scheduler_nodes=scheduler_nodes, gradient_checkpoint_config=gradient_checkpoint_config,
-            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-            overlap_communication=overlap_communication, cpu_offload=cpu_offload,
-            loss_scale=loss_scale_args("moe_hybrid", self.precision, min_scale=min_scale,
-                                       growth_factor=growth_factor, backoff_factor=backoff_factor,
-                                       hysteresis=hysteresis, max_scale=max_scale),
-            tuning=dict(enable_all_optimization=enable_all_optimization,
-                        enable_fused_normalization=enable_fused_normalization,
-                        enable_flash_attention=enable_flash_attention,
-                        enable_jit_fused=enable_jit_fused, broadcast_buffers=broadcast_buffers,
-                        ddp_bucket_cap_mb=ddp_bucket_cap_mb,
-                        find_unused_parameters=find_unused_parameters,
-                        check_reduction=check_reduction,
-                        gradient_as_bucket_view=gradient_as_bucket_view,
-                        static_graph=static_graph, enable_metadata_cache=enable_metadata_cache,
-                        overlap_p2p=overlap_p2p, overlap_allgather=overlap_allgather))
+        check_bool("cpu_offload", cpu_offload)
+        self.pipeline = check_moe_pipeline(pp_size, zero_stage, dict(
+            num_microbatches=num_microbatches, microbatch_size=microbatch_size,
+            pp_style=pp_style, num_model_chunks=num_model_chunks,
+            num_layers_per_stage=num_layers_per_stage))
+        self.gradient_checkpoint_config = check_ckpt_config(gradient_checkpoint_config)
         check_custom_policy(custom_policy)
         if self.fp8_reduce_scatter:  # a shared option this plugin has no FP8 path for yet
             raise ValueError("MoeHybridParallelPlugin(fp8_reduce_scatter=True) is not supported "
                              "yet: its gradients are all-reduced in their dtype; use "
                              "fp8_reduce_scatter=False (fp8_communication still puts the "
                              "token dispatch in FP8)")
-        self.reduce_bucket_numel = check_bucket_size(self.colossal.reduce_bucket_size_in_m,
+        self.reduce_bucket_numel = check_bucket_size(reduce_bucket_size_in_m,
                                                      self.fp8_communication)
         self.tp_size, self.pp_size, self.ep_size = tp_size, pp_size, ep_size
-        self.zero_stage, self.pipeline = zero_stage, self.colossal.pipeline
+        self.zero_stage = zero_stage
         self.enable_sequence_parallelism = False  # Colossal-AI's attribute (sp is refused)
         self.moe_dp_outside, self.custom_policy, self.cpu_offload = \
             moe_dp_outside, custom_policy, cpu_offload
@@ -218,7 +215,7 @@ class MoeHybridParallelPlugin(Plugin):
         # the HF decoder structure and no router aux loss (the last stage never sees the
         # router logits of the others: check_pipeline_model refuses it, naming the fix)
         self._layout = pipeline_layout(model, pp, self.pipeline) if pp > 1 else None
-        self._ckpt_flags = plan_checkpointing(model, self.colossal.gradient_checkpoint_config,
+        self._ckpt_flags = plan_checkpointing(model, self.gradient_checkpoint_config,
                                               self._layout)
 
     def build_model(self, model: nn.Module, optimizer, device: torch.device) -> None:
@@ -299,8 +296,8 @@ class MoeHybridParallelPlugin(Plugin):
             max_norm=self.max_norm, cpu_offload=self.cpu_offload,
             tp_group=topo.group("tp") if self.tp_size > 1 else None, tp_replicated=replicated,
             pp_group=self.norm_group, pp_counted_elsewhere=shared,
-            loss_scaler=make_scaler(self.precision, self.initial_scale, self.growth_interval,
-                                    self.colossal.loss_scale),
+            loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
+                                         self.growth_interval, **self.loss_scale_kwargs),
             fused_master_step=self.fused_master_step, comm_plan=self.comm_plan)
 
     # ------------------------------------------------------------------ pipeline

@@ -5,8 +5,9 @@ in every plugin, so they are fields of one frozen dataclass instead of five hand
 ``__init__`` parameters, each validated again. A plugin class writes only its own arguments
 and takes the shared ones through ``**options``; :func:`takes_plugin_options` then gives its
 ``__init__`` the full public signature (``help()``, ``inspect.signature`` and the docs tables
-list every argument, in the positional order the plugin has always had, under Colossal-AI's
-names), and ``Plugin.__init__`` keeps the validated object as ``plugin.options``
+list every argument, in the positional order the plugin has always had; fp8boost's arguments
+only, Colossal-AI's extra ones are taken by ``fp8boost.colossal.booster.plugin``), and
+``Plugin.__init__`` keeps the validated object as ``plugin.options``
 (``plugin.precision``, ``plugin.use_fp8``, ... read it).
 
 Adding an option every plugin takes is one new field here (plus its row in docs/PLUGINS.md and
@@ -176,6 +177,33 @@ def _option_parameters() -> dict[str, inspect.Parameter]:
             for f in dataclasses.fields(PluginOptions)}
 
 
+def install_signature(cls: type, init: Callable, every: dict[str, inspect.Parameter],
+                      positional: tuple[str, ...]) -> None:
+    """Give ``cls`` an ``__init__`` with this public signature: ``positional`` first, in that
+    order, then every other parameter of ``every`` keyword-only, with their defaults. It binds
+    a call to that signature (a wrong call raises ``TypeError`` naming the class), applies the
+    defaults and calls ``init(self, **arguments)``; ``help()`` and ``inspect.signature`` show
+    it. The plugin decorators here and under ``fp8boost.colossal`` both build on it."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [every[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in positional]
+    params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+               for n, p in every.items() if n not in positional]
+    signature = inspect.Signature(params, return_annotation=None)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as e:  # name the class, as Python's own message does
+            raise TypeError(f"{cls.__name__}(): {e}") from None
+        bound.apply_defaults()
+        bound.arguments.pop("self")
+        init(self, **bound.arguments)
+
+    __init__.__signature__ = signature  # what help() and inspect show
+    cls.__init__ = __init__
+
+
 def takes_plugin_options(positional: tuple[str, ...] = (),
                          without: tuple[str, ...] = ()) -> Callable[[type], type]:
     """Class decorator: the plugin's ``__init__`` takes every :class:`PluginOptions` field.
@@ -210,25 +238,7 @@ def takes_plugin_options(positional: tuple[str, ...] = (),
             [n for n in without if n not in OPTION_NAMES]
         if unknown:
             raise TypeError(f"{cls.__name__}: no argument named {unknown}")
-        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-        params += [every[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                   for n in positional]
-        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                   for n, p in every.items() if n not in positional]
-        signature = inspect.Signature(params, return_annotation=None)
-
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs) -> None:
-            try:
-                bound = signature.bind(self, *args, **kwargs)
-            except TypeError as e:  # name the class, as Python's own message does
-                raise TypeError(f"{cls.__name__}(): {e}") from None
-            bound.apply_defaults()
-            bound.arguments.pop("self")
-            init(self, **bound.arguments)
-
-        __init__.__signature__ = signature  # what help() and inspect show
-        cls.__init__ = __init__
+        install_signature(cls, init, every, positional)
         return cls
 
     return decorate

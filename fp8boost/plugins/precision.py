@@ -56,8 +56,16 @@ def validate_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: st
         ZeroOptimizer.validate(optimizer)
 
 
-def make_loss_scaler(precision: str, initial_scale: float, growth_interval: int):
-    return DynamicLossScaler(initial_scale, growth_interval=growth_interval) if precision == "fp16" else None
+def make_loss_scaler(precision: str, initial_scale: float, growth_interval: int,
+                     **extra: float) -> Optional[DynamicLossScaler]:
+    """The fp16 ``DynamicLossScaler`` (None under any other precision).
+
+    ``extra``: more ``DynamicLossScaler`` keywords (``min_scale``, ``growth_factor``,
+    ``backoff_factor``, ``max_scale``), e.g. a plugin's ``loss_scale_kwargs``.
+    """
+    if precision != "fp16":
+        return None
+    return DynamicLossScaler(initial_scale, growth_interval=growth_interval, **extra)
 
 
 def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], precision: str, max_norm: float,

@@ -12,7 +12,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fp8boost.parallel.ddp.hooks import register_fp8_comm_hook
 from fp8boost.parallel.wrappers import ModelWrapper
 
-from .colossal_args import ddp_args
 from .options import check_bool, check_precision, takes_plugin_options
 from .plugin_base import Plugin
 from .precision import MIXED_PRECISIONS
@@ -36,9 +35,11 @@ class TorchDDPPlugin(Plugin):
         broadcast_buffers, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view,
         static_graph: passed to ``DistributedDataParallel`` (``gradient_as_bucket_view``
             defaults to True here, False in Colossal-AI: it saves one gradient copy).
-        check_reduction: Colossal-AI's argument; torch's DDP deprecated it (True: INFO once).
         fp8_config: FP8 recipe for ``use_fp8`` (default ``Fp8Config()``).
         comm_config: ``Fp8CommConfig`` for ``fp8_communication``.
+
+    Colossal-AI's ``check_reduction`` is taken by
+    ``fp8boost.colossal.booster.plugin.TorchDDPPlugin``.
 
     Example:
         >>> from fp8boost.booster import Booster
@@ -50,8 +51,7 @@ class TorchDDPPlugin(Plugin):
     def __init__(self, *, precision: Optional[str] = None, broadcast_buffers: bool = True,
                  bucket_cap_mb: int = 25, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = True, static_graph: bool = False,
-                 check_reduction: bool = False, **options) -> None:
-        ddp_args(check_reduction=check_reduction)  # Colossal-AI's argument: INFO if True
+                 **options) -> None:
         # precision=None: Booster(mixed_precision=...) decides (set_precision), else FP32.
         super().__init__(precision="fp32" if precision is None else precision, **options)
         self._user_precision = precision is not None

@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch.distributed as dist
 
-import fp8boost.plugins as native
+from fp8boost.colossal.booster.plugin import args as native
 from fp8boost.booster import Booster as NativeBooster
 from fp8boost.colossal.booster import Booster
 from fp8boost.colossal.booster import plugin as colossal_plugins

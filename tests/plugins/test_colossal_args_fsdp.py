@@ -8,8 +8,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 
 from fp8boost import _state
-from fp8boost.plugins import TorchFSDPPlugin
-from fp8boost.plugins.colossal_args_fsdp import apply_param_init_fn
+from fp8boost.colossal.booster.plugin.args import TorchFSDPPlugin
+from fp8boost.parallel.fsdp.wiring import apply_param_init_fn
 
 LOGGER = "fp8boost.plugins"
 

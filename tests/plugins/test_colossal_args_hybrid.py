@@ -13,8 +13,9 @@ import torch.distributed as dist
 from fp8boost import _state
 from fp8boost.colossal.pipeline.schedule.v_schedule import PipelineGraph
 from fp8boost.colossal.shardformer import PipelineGradientCheckpointConfig
-from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin,
-                              MoeHybridParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin)
+from fp8boost.colossal.booster.plugin.args import (GeminiPlugin, HybridParallelPlugin,
+                                                   LowLevelZeroPlugin, MoeHybridParallelPlugin,
+                                                   TorchDDPPlugin, TorchFSDPPlugin)
 
 LOGGER = "fp8boost.plugins"
 #: Colossal-AI v0.5.0 __init__ parameter names.

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from fp8boost import _state
-from fp8boost.plugins import GeminiPlugin
-from fp8boost.plugins.colossal_args_gemini import GEMINI_ARGS, outputs_fp32_hook
+from fp8boost.colossal.booster.plugin.args import GeminiPlugin
+from fp8boost.colossal.booster.plugin.args.gemini import GEMINI_ARGS, outputs_fp32_hook
 
 LOGGER = "fp8boost.plugins"
 NAMES = list(GEMINI_ARGS)

@@ -419,7 +419,8 @@ def test_fsdp_plugins_parity_and_features_on_1_2_4_ranks(tmp_path):
 
 def test_bad_arguments_raise_before_any_collective():
     from fp8boost.booster import Booster
-    from fp8boost.plugins import GeminiPlugin, TorchFSDPPlugin
+    from fp8boost.colossal.booster.plugin.args import TorchFSDPPlugin
+    from fp8boost.plugins import GeminiPlugin
     from tests.plugins.helpers import make_mlp
 
     assert not dist.is_initialized()

@@ -247,7 +247,7 @@ def test_moe_plugin_matches_one_process(world, tmp_path) -> None:
 
 def test_bad_arguments_raise_before_any_collective(monkeypatch) -> None:
     from fp8boost.booster import Booster
-    from fp8boost.plugins import MoeHybridParallelPlugin
+    from fp8boost.colossal.booster.plugin.args import MoeHybridParallelPlugin
     for kwargs in (dict(tp_size=0, ep_size=2), dict(pp_size=2), dict(zero_stage=3),
                    dict(ep_size=0), dict(enable_sequence_parallelism=True, tp_size=2),
                    dict(sp_size=2)):

@@ -13,8 +13,10 @@ import pydoc
 
 import pytest
 
-from fp8boost.plugins import (GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, Plugin,
-                              TorchDDPPlugin, TorchFSDPPlugin)
+from fp8boost.colossal.booster.plugin.args import (GeminiPlugin, HybridParallelPlugin,
+                                                   LowLevelZeroPlugin, TorchDDPPlugin,
+                                                   TorchFSDPPlugin)
+from fp8boost.plugins import Plugin
 from fp8boost.plugins.options import PluginOptions
 
 PLUGINS = [TorchDDPPlugin, LowLevelZeroPlugin, GeminiPlugin, TorchFSDPPlugin, HybridParallelPlugin]

@@ -144,6 +144,27 @@ def materialize(model: nn.Module, device: torch.device, shard_rank: int = 0) -> 
             _rebuild_buffers(mod, device)  # HF rotary embeddings (inv_freq)
 
 
+@torch.no_grad()
+def apply_param_init_fn(model: nn.Module, param_init_fn: Callable[[nn.Module], None]) -> None:
+    """FSDP1's ``param_init_fn`` on a sharded meta-device model: call it on every module that
+    holds meta tensors of its own (e.g. ``m.to_empty(device=..., recurse=False)`` then an
+    init), parents first, as FSDP1 materialises them (instead of :func:`materialize`).
+
+    Raises:
+        ValueError: tensors are still on the meta device afterwards.
+    """
+    for mod in model.modules():
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if any(t.is_meta for t in own):
+            param_init_fn(mod)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"param_init_fn left {left[:5]} on the meta device; it must "
+                         "materialise the module it is given (e.g. module.to_empty(device=..., "
+                         "recurse=False)), or pass no param_init_fn (fp8boost then initialises "
+                         "with the model's own _init_weights)")
+
+
 def _buffer_owner(model: nn.Module, name: str) -> torch.Tensor:
     mod_name, _, bname = name.rpartition(".")
     return model.get_submodule(mod_name)._buffers[bname]

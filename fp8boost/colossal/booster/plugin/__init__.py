@@ -1,9 +1,10 @@
 """``colossalai.booster.plugin``: fp8boost's six plugins under Colossal-AI's path.
 
-Each is fp8boost's own plugin class with Colossal-AI's positional order
+Each is fp8boost's own plugin class taking Colossal-AI's arguments too (:mod:`.args`: their
+checks and mapping onto fp8boost's arguments), with Colossal-AI's positional order
 (:func:`fp8boost.colossal.positional.with_colossal_order`; the orders are Colossal-AI v0.5.0's,
 commit 4f9953be), so ``GeminiPlugin("cuda", ...)``-style positional calls bind as they do
-there. Keyword calls behave exactly as on ``fp8boost.plugins``. ``HybridParallelPlugin`` and
+there. Keyword calls behave exactly as on :mod:`.args`. ``HybridParallelPlugin`` and
 ``MoeHybridParallelPlugin`` also answer ``get_checkpoint_io()`` as Colossal-AI's do: a
 ``HybridParallelCheckpointIO`` / ``MoECheckpointIO`` (``fp8boost.colossal.checkpoint_io``).
 ``TorchFSDPPlugin`` boosts a model whose ``state_dict()`` holds full plain tensors, as
@@ -19,7 +20,7 @@ from fp8boost.colossal.checkpoint_io import HybridParallelCheckpointIO, MoECheck
 from fp8boost.colossal.positional import with_colossal_order
 from fp8boost.plugins import Plugin
 
-from . import fsdp1_surface
+from . import args, fsdp1_surface
 
 ORDERS = MappingProxyType({
     "LowLevelZeroPlugin": (
@@ -82,9 +83,9 @@ DEFAULTS = MappingProxyType({
 scaling), the ZeRO bucket size (None: fp8boost's measured choice, 12 MB there) and DDP's
 ``gradient_as_bucket_view`` (True here: one gradient copy less, same numbers)."""
 
-LowLevelZeroPlugin = with_colossal_order(_plugins.LowLevelZeroPlugin, ORDERS["LowLevelZeroPlugin"],
+LowLevelZeroPlugin = with_colossal_order(args.LowLevelZeroPlugin, ORDERS["LowLevelZeroPlugin"],
                                          DEFAULTS["LowLevelZeroPlugin"])
-GeminiPlugin = with_colossal_order(_plugins.GeminiPlugin, ORDERS["GeminiPlugin"])
+GeminiPlugin = with_colossal_order(args.GeminiPlugin, ORDERS["GeminiPlugin"])
 
 
 def _colossal_checkpoint_io(io_class: type, base: type):
@@ -101,15 +102,15 @@ def _colossal_checkpoint_io(io_class: type, base: type):
 
 
 HybridParallelPlugin = with_colossal_order(
-    _plugins.HybridParallelPlugin, ORDERS["HybridParallelPlugin"],
+    args.HybridParallelPlugin, ORDERS["HybridParallelPlugin"],
     methods={"get_checkpoint_io": _colossal_checkpoint_io(HybridParallelCheckpointIO,
                                                           _plugins.HybridParallelPlugin)})
-TorchDDPPlugin = with_colossal_order(_plugins.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
+TorchDDPPlugin = with_colossal_order(args.TorchDDPPlugin, ORDERS["TorchDDPPlugin"])
 # FSDP1's answers on the FSDP2 model: full state dicts, FSDP.full_optim_state_dict (fsdp1_surface)
-TorchFSDPPlugin = with_colossal_order(_plugins.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"],
+TorchFSDPPlugin = with_colossal_order(args.TorchFSDPPlugin, ORDERS["TorchFSDPPlugin"],
                                       methods={"configure": fsdp1_surface.configure})
 MoeHybridParallelPlugin = with_colossal_order(
-    _plugins.MoeHybridParallelPlugin, ORDERS["MoeHybridParallelPlugin"],
+    args.MoeHybridParallelPlugin, ORDERS["MoeHybridParallelPlugin"],
     methods={"get_checkpoint_io": _colossal_checkpoint_io(MoECheckpointIO,
                                                           _plugins.MoeHybridParallelPlugin)})
 

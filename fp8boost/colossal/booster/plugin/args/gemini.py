@@ -1,17 +1,22 @@
-"""Colossal-AI's ``GeminiPlugin`` arguments (v0.5.0) that fp8boost takes: validation and mapping.
+"""Colossal-AI's ``GeminiPlugin`` arguments (v0.5.0) over fp8boost's: validation and mapping.
 
-``gemini_args`` checks the types, raises ``ValueError`` naming the fp8boost alternative for what
-fp8boost does not support, logs once per process (INFO, key ``"colossal-args.gemini.<arg>"``)
-what fp8boost does instead when a value that tunes Colossal-AI internals (chunks, auto
-placement, Shardformer kernels) is passed, and returns the mapped values.
+:class:`GeminiPlugin` takes them by keyword; ``gemini_args`` checks the types, raises
+``ValueError`` naming the fp8boost alternative for what fp8boost does not support, logs once
+per process (INFO, key ``"colossal-args.gemini.<arg>"``) what fp8boost does instead when a
+value that tunes Colossal-AI internals (chunks, auto placement, Shardformer kernels) is
+passed, and returns the mapped values.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
-from .colossal_args import check_type, check_bools, log_info, log_tuning, loss_scale_args
+from fp8boost import plugins
+
+from .common import SHARDFORMER_TUNING, check_bools, check_type, log_info, log_tuning, \
+    loss_scale_args, takes_colossal_args, tuning_rows
 
 #: The Colossal-AI arguments ``GeminiPlugin.__init__`` passes to ``gemini_args`` (by name).
 GEMINI_ARGS = (
@@ -27,7 +32,6 @@ _CHUNKS = ("fp8boost has no chunks: FSDP2 shards each decoder block (and the roo
            "unit, flat over the data-parallel ranks")
 _AUTO = ("it tunes Colossal-AI's auto placement; fp8boost places by the offload fractions "
          "(offload_optim_frac/offload_param_frac)")
-_MODEL_OWN = "fp8boost runs the model's own modules (SDPA attention, its normalization)"
 
 
 def _check_number(name: str, value: object, low: float, high: Optional[float]) -> None:
@@ -135,15 +139,9 @@ def _gemini_tuning(a: dict) -> None:
          "itself when offloading"),
         ("strict_ddp_mode", a["strict_ddp_mode"], False, "fp8boost's GeminiPlugin is "
          "data-parallel only (no other parallelism) anyway"),
-        ("enable_all_optimization", a["enable_all_optimization"], False, _MODEL_OWN),
-        ("enable_fused_normalization", a["enable_fused_normalization"], False,
-         "fp8boost runs the model's own normalization layers"),
-        ("enable_flash_attention", a["enable_flash_attention"], False, "fp8boost runs the "
-         "model's own attention (SDPA, which uses flash attention through PyTorch)"),
-        ("enable_jit_fused", a["enable_jit_fused"], False, _MODEL_OWN),
         ("verbose", a["verbose"], False, "fp8boost reports through the 'fp8boost' loggers "
          "(plugin.comm_report for FP8 comm)"),
-    ])
+    ] + tuning_rows(a, SHARDFORMER_TUNING))
 
 
 def _fp32(x):
@@ -163,3 +161,56 @@ def outputs_fp32_hook(module, args, output):
     """``force_outputs_fp32``: cast the floating-point tensors of the model's output to FP32
     (Colossal-AI's ``GeminiDDP`` does the same after forward)."""
     return _fp32(output)
+
+
+@takes_colossal_args(positional=("precision", "max_norm", "norm_type"))
+class GeminiPlugin(plugins.GeminiPlugin):
+    """fp8boost's ``GeminiPlugin`` that also takes Colossal-AI's arguments (by keyword).
+
+    Args:
+        min_scale, growth_factor, backoff_factor, max_scale: fp16 loss scaling, as Colossal-AI
+            (``hysteresis``: only 1 is implemented; other values log once under fp16).
+        force_outputs_fp32: cast the model's floating-point outputs to FP32 (as Colossal-AI).
+        shard_param_frac, placement_policy, max_prefetch, enable_async_reduce,
+            warmup_non_model_data_ratio, enable_fused_normalization, enable_flash_attention,
+            tp_size, extra_dp_size, chunk_config_dict, chunk_init_device, steady_cuda_cap_ratio,
+            master_weights, pin_memory, strict_ddp_mode, search_range_m, hidden_dim,
+            min_chunk_size_m, memstats, gpu_margin_mem_ratio, enable_all_optimization,
+            enable_sequence_parallelism, enable_jit_fused, verbose: :func:`gemini_args`:
+            ``shard_param_frac`` must be 1.0 (every parameter sharded), ``master_weights``
+            True (FP32 masters are the FSDP2 shards; use ``LowLevelZeroPlugin`` without),
+            ``tp_size``/``extra_dp_size`` > 1 raise (use ``HybridParallelPlugin``);
+            ``enable_sequence_parallelism`` is ignored at ``tp_size=1`` as in Colossal-AI (INFO
+            once); the others tune Colossal-AI internals and log once what fp8boost does
+            instead. Colossal-AI's default ``precision="fp16"`` differs from fp8boost's
+            (``"bf16"``: FP8 training wants BF16).
+        **native: ``fp8boost.plugins.GeminiPlugin``'s arguments.
+    """
+
+    def __init__(self, *, shard_param_frac: float = 1.0, placement_policy: str = "static",
+                 max_prefetch: int = 0, enable_async_reduce: bool = True,
+                 warmup_non_model_data_ratio: float = 0.8,
+                 enable_fused_normalization: bool = False, enable_flash_attention: bool = False,
+                 tp_size: int = 1, extra_dp_size: int = 1,
+                 chunk_config_dict: Optional[dict] = None,
+                 chunk_init_device: Optional[torch.device] = None,
+                 steady_cuda_cap_ratio: float = 0.9, master_weights: bool = True,
+                 pin_memory: bool = False, force_outputs_fp32: bool = False,
+                 strict_ddp_mode: bool = False, search_range_m: int = 32,
+                 hidden_dim: Optional[int] = None, min_chunk_size_m: float = 32,
+                 memstats: Any = None, gpu_margin_mem_ratio: float = 0.0, min_scale: float = 1,
+                 growth_factor: float = 2, backoff_factor: float = 0.5, hysteresis: int = 2,
+                 max_scale: float = 2 ** 32, enable_all_optimization: bool = False,
+                 enable_sequence_parallelism: bool = False, enable_jit_fused: bool = False,
+                 verbose: bool = False, **native) -> None:
+        colossal = {name: value for name, value in locals().items() if name in GEMINI_ARGS}
+        super().__init__(**native)
+        mapped = gemini_args(self.precision, colossal)
+        self.loss_scale_kwargs = mapped["loss_scale_kwargs"]
+        self.force_outputs_fp32 = mapped["force_outputs_fp32"]
+
+    def parallelize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        model = super().parallelize(model, device)
+        if self.force_outputs_fp32:
+            model.register_forward_hook(outputs_fp32_hook)
+        return model

@@ -3,23 +3,25 @@
 Colossal-AI's ``TorchFSDPPlugin`` wraps ``FullyShardedDataParallel`` (FSDP1) and takes its
 keyword arguments; fp8boost's runs FSDP2 (``fully_shard`` per decoder block + root). What has an
 FSDP2 equivalent is mapped (``mixed_precision`` -> ``precision``, ``cpu_offload=CPUOffload(...)``
--> ``CPUOffloadPolicy``, ``sharding_strategy`` -> ``reshard_after_forward``, ``param_init_fn``
--> run on the meta-device modules at ``boost``); what tunes FSDP1 internals is accepted with
-one INFO line (``colossal_args``' rules); what FSDP2 here cannot do raises ``ValueError``
-naming the alternative. Nothing here touches a process group.
+-> ``CPUOffloadPolicy``, ``sharding_strategy`` -> ``reshard_after_forward``; fp8boost's
+plugin takes ``param_init_fn`` itself); what tunes FSDP1 internals is accepted with one INFO
+line (:mod:`.common`'s rules); what FSDP2 here cannot do raises ``ValueError`` naming the
+alternative. Nothing here touches a process group. :class:`TorchFSDPPlugin` takes them by
+keyword.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 
-from .colossal_args import check_bools, log_info, log_tuning
+from fp8boost import plugins
+
+from .common import check_bools, log_info, log_tuning, takes_colossal_args
 
 PLUGIN = "torch_fsdp"
 _PRECISION = MappingProxyType({torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -36,8 +38,6 @@ class FsdpColossalArgs:
     """From ``sharding_strategy`` (None: none given)."""
     cpu_offload: bool = False
     """From ``cpu_offload=CPUOffload(offload_params=True)`` (or fp8boost's bool)."""
-    param_init_fn: Optional[Callable[[nn.Module], None]] = None
-    """Called on every module that holds meta tensors, instead of fp8boost's own init."""
 
 
 def _mixed_precision(mp: Any) -> Optional[str]:
@@ -94,7 +94,7 @@ def _cpu_offload(cpu_offload: Any) -> bool:
 def fsdp_args(*, precision: str, reshard_after_forward: bool, process_group: Any,
               sharding_strategy: Any, cpu_offload: Any, auto_wrap_policy: Any,
               backward_prefetch: Any, mixed_precision: Any, ignored_modules: Any,
-              param_init_fn: Any, sync_module_states: bool, forward_prefetch: bool,
+              sync_module_states: bool, forward_prefetch: bool,
               limit_all_gathers: bool, use_orig_params: bool, device_id: Any) -> FsdpColossalArgs:
     """Validate and map Colossal-AI's (FSDP1) ``TorchFSDPPlugin`` arguments (no collectives).
 
@@ -111,8 +111,6 @@ def fsdp_args(*, precision: str, reshard_after_forward: bool, process_group: Any
     if ignored_modules:
         raise ValueError("ignored_modules is not supported: every parameter is sharded; use "
                          "ignored_modules=None (freeze a module with requires_grad_(False))")
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(f"param_init_fn must be a callable module -> None, got {param_init_fn!r}")
     mapped = _mixed_precision(mixed_precision)
     if mapped is not None and precision not in ("bf16", mapped):
         raise ValueError(f"precision={precision!r} and mixed_precision (param_dtype -> "
@@ -135,25 +133,43 @@ def fsdp_args(*, precision: str, reshard_after_forward: bool, process_group: Any
         ("device_id", device_id, None, "the Booster places the model on this rank's device"),
     ])
     return FsdpColossalArgs(precision=mapped, reshard_after_forward=reshard,
-                            cpu_offload=_cpu_offload(cpu_offload), param_init_fn=param_init_fn)
+                            cpu_offload=_cpu_offload(cpu_offload))
 
 
-@torch.no_grad()
-def apply_param_init_fn(model: nn.Module, param_init_fn: Callable[[nn.Module], None]) -> None:
-    """FSDP1's ``param_init_fn`` on a sharded meta-device model: call it on every module that
-    holds meta tensors of its own (e.g. ``m.to_empty(device=..., recurse=False)`` then an
-    init), parents first, as FSDP1 materialises them.
+@takes_colossal_args(positional=("precision", "max_norm"))
+class TorchFSDPPlugin(plugins.TorchFSDPPlugin):
+    """fp8boost's ``TorchFSDPPlugin`` that also takes Colossal-AI's (FSDP1) arguments.
 
-    Raises:
-        ValueError: tensors are still on the meta device afterwards.
+    Args:
+        cpu_offload: True, or FSDP1's ``CPUOffload(offload_params=True)``.
+        mixed_precision: FSDP1's ``MixedPrecision``: ``param_dtype`` bf16/fp16/fp32 sets
+            ``precision``; gradients reduce in FP32 whatever ``reduce_dtype`` (INFO otherwise).
+        sharding_strategy: FSDP1's ``ShardingStrategy``: FULL_SHARD (reshard_after_forward
+            True), SHARD_GRAD_OP (False); NO_SHARD raises (use TorchDDPPlugin), HYBRID_* raise.
+        process_group (None or the world group), ignored_modules (None or empty): others raise.
+        auto_wrap_policy, backward_prefetch, forward_prefetch, limit_all_gathers,
+            use_orig_params, device_id, sync_module_states: FSDP1 tuning: accepted; a
+            non-default value logs once what FSDP2 here does instead (ranks always start
+            from rank 0's weights, so ``sync_module_states`` is honoured either way).
+        **native: ``fp8boost.plugins.TorchFSDPPlugin``'s arguments.
     """
-    for mod in model.modules():
-        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
-        if any(t.is_meta for t in own):
-            param_init_fn(mod)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"param_init_fn left {left[:5]} on the meta device; it must "
-                         "materialise the module it is given (e.g. module.to_empty(device=..., "
-                         "recurse=False)), or pass no param_init_fn (fp8boost then initialises "
-                         "with the model's own _init_weights)")
+
+    def __init__(self, *, cpu_offload=False, process_group=None, sharding_strategy=None,
+                 auto_wrap_policy=None, backward_prefetch=None, mixed_precision=None,
+                 ignored_modules=None, sync_module_states: bool = False,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True,
+                 use_orig_params: bool = False, device_id=None, **native) -> None:
+        # mapped before the plugin checks anything, as FSDP1's objects decide its values
+        fsdp1 = fsdp_args(
+            precision=native["precision"], reshard_after_forward=native["reshard_after_forward"],
+            process_group=process_group, sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
+            backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules, sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params, device_id=device_id)
+        if fsdp1.precision is not None:
+            native["precision"] = fsdp1.precision
+        if fsdp1.reshard_after_forward is not None:
+            native["reshard_after_forward"] = fsdp1.reshard_after_forward
+        super().__init__(cpu_offload=fsdp1.cpu_offload, **native)
