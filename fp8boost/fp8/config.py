@@ -4,23 +4,29 @@ A recipe is a config object, never a bag of kwargs. Two names, two things: the `
 field is the scaling algorithm (``tensorwise``, ``delayed``, ``rowwise`` or ``blockwise``); a
 *named recipe* (:meth:`Fp8Config.from_recipe`: ``tensorwise``, ``tensorwise_pow2``,
 ``tensorwise_e4m3``, ``delayed``, ``rowwise``, ``rowwise_with_gw_hp``, ``blockwise``,
-``blockwise_pow2``) is a preset of several fields, the scaling algorithm among them.
+``blockwise_pow2``) is a preset of several fields, the scaling algorithm among them. A
+recipe can also be one object of :mod:`fp8boost.fp8.recipes` (``Tensorwise``, ``Delayed``,
+``Rowwise``, ``Blockwise``), holding only that recipe's fields: ``Fp8Config(recipe=
+Blockwise(block_size=64))``; the config stores it as its flat fields, so every reader of
+``cfg.recipe``/``cfg.block_size`` and every saved config sees the same thing as before.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
+
+# FORMATS and AMAX_ALGOS live with the recipe classes that check them; still importable here.
+from .recipes import (AMAX_ALGOS, FIELD_RECIPES, FORMATS, RECIPE_CLASSES, ScalingRecipe,
+                      check_recipe_fields)
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 GRANULAR_RECIPES = ("rowwise", "blockwise")
 """The recipes with one scale per row or tile (``fp8boost.fp8.granular``), not per tensor."""
-FORMATS = ("hybrid", "e4m3")
 BACKENDS = ("auto", "triton", "cublas", "emulated")
-AMAX_ALGOS = ("max", "most_recent")
 COMPILED_CASTS = ("inductor", "kernel")
 EXPERT_WGRADS = ("auto", "fp8", "high_precision")
 DEFAULT_MIN_NUMEL = 4096 * 4096
@@ -31,14 +37,25 @@ DEFAULT_MIN_NUMEL = 4096 * 4096
 class Fp8Config:
     """How linear layers run their GEMMs in FP8.
 
+    The fields come in four groups: the scaling recipe (``recipe`` .. ``wgrad_high_precision``,
+    also settable as one :mod:`~fp8boost.fp8.recipes` object), the GEMMs (``expert_wgrad`` ..
+    ``fast_accum_wgrad``), the casts (``cache_weight_cast`` .. ``recompute_weight_cast``) and
+    the default layer filter (``skip_module_names`` .. ``min_numel``). A recipe field that the
+    chosen recipe does not read is refused unless it keeps its default.
+
     Example:
-        >>> from fp8boost.fp8 import Fp8Config
+        >>> from fp8boost.fp8 import Blockwise, Fp8Config
         >>> cfg = Fp8Config.from_recipe("delayed", amax_history_len=32)
         >>> cfg.recipe, cfg.amax_history_len
         ('delayed', 32)
+        >>> Fp8Config(recipe=Blockwise(block_size=64)) == Fp8Config(
+        ...     recipe="blockwise", fp8_format="e4m3", block_size=64)
+        True
     """
 
-    recipe: str = "tensorwise"
+    # -- The scaling recipe: `recipe` and the fields of the recipe classes (fp8boost.fp8.
+    # recipes), kept flat because every layer, the CLI and saved configs read these names.
+    recipe: Union[str, ScalingRecipe] = "tensorwise"
     """Scaling algorithm. ``tensorwise``: current ("real-time") per-tensor scaling, the scale is
     computed from the tensor being cast. ``delayed``: TE-style, the scale comes from a history of
     past amax values (cheaper, one step stale). ``rowwise``: current scaling with one scale per
@@ -51,19 +68,25 @@ class Fp8Config:
     others: ``Fp8Config(recipe="tensorwise_pow2")`` is refused with a pointer to
     ``from_recipe``. The named ``rowwise``/``blockwise`` presets also set e4m3 gradients and
     (rowwise) power-of-2 scales: ``Fp8Config(recipe="rowwise")`` alone keeps the field
-    defaults (hybrid formats, FP32 scales)."""
+    defaults (hybrid formats, FP32 scales).
+
+    Also a recipe object (``Tensorwise()``, ``Delayed()``, ``Rowwise()``, ``Blockwise()``, in
+    :mod:`fp8boost.fp8.recipes`; their defaults are the named presets): it is stored as its
+    name and its fields, so this field always reads as a string and :attr:`recipe_config`
+    gives the object back. A flat field passed with a different non-default value too is
+    refused; one left at its default cannot be told from one not passed, the object's wins."""
 
     fp8_format: str = "hybrid"
     """``hybrid``: e4m3 for activations and weights, e5m2 for gradients (range over precision).
     ``e4m3``: e4m3 everywhere."""
 
     amax_history_len: int = 16
-    """Delayed scaling only: how many past amax values are kept per tensor (ignored by the
-    current-scaling recipes: tensorwise, rowwise, blockwise)."""
+    """Delayed scaling only: how many past amax values are kept per tensor (the other recipes
+    read no history, so a non-default value with them is refused)."""
 
     amax_compute_algo: str = "max"
-    """Delayed scaling only: ``max`` over the history, or the ``most_recent`` entry (ignored
-    otherwise)."""
+    """Delayed scaling only: ``max`` over the history, or the ``most_recent`` entry (a
+    non-default value with another recipe is refused)."""
 
     margin: int = 0
     """Scale is divided by ``2**margin``: head-room against growth between steps. Rowwise and
@@ -88,6 +111,7 @@ class Fp8Config:
     there, the layer then saves its input in high precision for backward (not an FP8 copy):
     2 bytes per element instead of 1, for an exact weight gradient."""
 
+    # -- GEMMs: the MoE weight gradient, the backend, tensor-core accumulation.
     expert_wgrad: str = "auto"
     """Fused-expert (MoE) modules: the weight gradient's grouped GEMM in ``fp8`` (``dy^T`` and
     ``x^T`` cast per (expert, column), ``x^T`` saved in FP8) or ``high_precision`` (the
@@ -115,6 +139,7 @@ class Fp8Config:
     fast_accum_wgrad: bool = False
     """Fast accumulation in the weight-gradient GEMM (off: long K = tokens)."""
 
+    # -- Casts to FP8: caching, compiled casts, sharing, recomputation in backward.
     cache_weight_cast: bool = True
     """Reuse the weight's FP8 cast while the weight is unchanged, from its second forward on
     (micro-batches, gradient accumulation, recomputation). A weight read once per optimizer
@@ -149,6 +174,7 @@ class Fp8Config:
     Rowwise/blockwise: the same choice (re-quantize W's dgrad operand from the Parameter in
     backward, or keep its FP8 copy from forward)."""
 
+    # -- The default layer filter of convert_to_fp8: which linear layers stay high precision.
     skip_module_names: tuple[str, ...] = ("lm_head",)
     """Default filter: linear layers whose qualified name ends with one of these stay high precision."""
 
@@ -172,6 +198,8 @@ class Fp8Config:
     eligible layer (also to test FP8 numerics)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.recipe, ScalingRecipe):
+            self._take_recipe_object(self.recipe)
         if self.recipe in NAMED_RECIPES and self.recipe not in RECIPES:
             # `recipe` is the scaling algorithm; the named recipes are presets of several fields.
             raise ValueError(
@@ -179,25 +207,19 @@ class Fp8Config:
                 f"scaling algorithm; use Fp8Config.from_recipe({self.recipe!r}). The recipe "
                 f"field takes {RECIPES}")
         _check_choice("recipe", self.recipe, RECIPES)
-        _check_choice("fp8_format", self.fp8_format, FORMATS)
         _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
         _check_choice("compiled_casts", self.compiled_casts, COMPILED_CASTS)
         _check_choice("expert_wgrad", self.expert_wgrad, EXPERT_WGRADS)
-        for name in ("amax_history_len", "margin", "min_features", "min_numel", "block_size"):
+        # The recipe fields are checked by the same code (and words) as the recipe classes.
+        check_recipe_fields("Fp8Config", {name: getattr(self, name) for name in FIELD_RECIPES})
+        for name in ("min_features", "min_numel"):
             value = getattr(self, name)
             if name == "min_numel" and value is None:  # the library default (see the field)
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 kind = "an int or None" if name == "min_numel" else "an int"
                 raise TypeError(f"Fp8Config.{name} must be {kind}, got {type(value).__name__}")
-        self._check_granular()
-        if self.amax_history_len < 1:
-            raise ValueError(
-                f"Fp8Config.amax_history_len must be >= 1, got {self.amax_history_len}; "
-                "use 1 to scale from the last step only")
-        if self.margin < 0:
-            raise ValueError(f"Fp8Config.margin must be >= 0, got {self.margin}")
+        self._check_recipe_fit()
         if self.min_features < 1:
             raise ValueError(f"Fp8Config.min_features must be >= 1, got {self.min_features}")
         if self.min_numel is not None and self.min_numel < 0:
@@ -209,20 +231,22 @@ class Fp8Config:
                             "e.g. ('lm_head',)")
         object.__setattr__(self, "skip_module_names", tuple(self.skip_module_names))
 
-    def _check_granular(self) -> None:
-        """Fields of the rowwise/blockwise recipes: valid values, and only where they apply."""
-        if not isinstance(self.wgrad_high_precision, bool):
-            raise TypeError("Fp8Config.wgrad_high_precision must be a bool, got "
-                            f"{type(self.wgrad_high_precision).__name__}")
-        if self.wgrad_high_precision and self.recipe not in GRANULAR_RECIPES:
-            raise ValueError(
-                f"Fp8Config.wgrad_high_precision applies to the recipes {GRANULAR_RECIPES}, not "
-                f"{self.recipe!r}; use Fp8Config.from_recipe('rowwise_with_gw_hp') or set "
-                "recipe='rowwise'/'blockwise'")
-        b = self.block_size
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"Fp8Config.block_size must be a power of two >= 16, got {b}; "
-                             "use 128 (DeepSeek-V3's, and the one cuBLAS runs)")
+    def _take_recipe_object(self, recipe: ScalingRecipe) -> None:
+        """Store a recipe object as ``recipe`` (its name) and its fields, flat."""
+        for name, value in recipe.config_fields().items():
+            current = getattr(self, name)
+            # A flat field at its default cannot be told from one not passed: the object wins.
+            if name != "recipe" and current != _DEFAULTS[name] and current != value:
+                kind = type(recipe).__name__
+                fix = (f"{kind} always sets {name}={value!r}; drop {name}={current!r}"
+                       if name in recipe.fixed_fields else
+                       f"set it in the recipe object only: {kind}(..., {name}={current!r})")
+                raise ValueError(f"Fp8Config(recipe={recipe!r}, {name}={current!r}): {name} is "
+                                 f"set twice, differently; {fix}")
+            object.__setattr__(self, name, value)
+
+    def _check_recipe_fit(self) -> None:
+        """The recipe fields fit the recipe: the ones it does not read keep their defaults."""
         if self.recipe == "blockwise" and self.fp8_format != "e4m3":
             # cuBLAS's blockwise GEMMs (torch's scaled_mm BlockWise1x128/128x128) take e4m3
             # operands only: an e5m2 gradient is refused on the GPU (measured on an H100,
@@ -231,9 +255,30 @@ class Fp8Config:
                 f"Fp8Config(recipe='blockwise', fp8_format={self.fp8_format!r}): blockwise "
                 "scaling casts gradients to e4m3 (cuBLAS's blockwise GEMMs take e4m3 only); use "
                 "Fp8Config.from_recipe('blockwise') or fp8_format='e4m3'")
-        if b != 128 and self.recipe != "blockwise":
-            raise ValueError(f"Fp8Config.block_size={b} applies to recipe='blockwise' only "
-                             f"(recipe is {self.recipe!r}); leave it at 128 or set the recipe")
+        for name, recipes in FIELD_RECIPES.items():
+            value, default = getattr(self, name), _DEFAULTS[name]
+            if self.recipe in recipes or value == default:
+                continue
+            # Refused rather than ignored: a knob of another recipe set here does nothing.
+            fix = f"Fp8Config(recipe={RECIPE_CLASSES[recipes[0]].__name__}({name}={value!r}))"
+            presets = [n for n, fields in NAMED_RECIPES.items() if fields.get(name) == value]
+            if presets:
+                fix += f" or Fp8Config.from_recipe({presets[0]!r})"
+            where = "/".join(repr(r) for r in recipes)
+            raise ValueError(f"Fp8Config.{name}={value!r} applies to recipe={where} only (recipe "
+                             f"is {self.recipe!r}); leave it at {default!r}, or choose that "
+                             f"recipe: {fix}")
+
+    @property
+    def recipe_config(self) -> ScalingRecipe:
+        """The recipe and its fields as one object of :mod:`fp8boost.fp8.recipes` (read-only).
+
+        Example:
+            >>> from fp8boost.fp8 import Blockwise
+            >>> Fp8Config.from_recipe("blockwise").recipe_config == Blockwise()
+            True
+        """
+        return RECIPE_CLASSES[self.recipe].from_fields(self)
 
     @property
     def fwd_dtype(self) -> torch.dtype:
@@ -246,7 +291,19 @@ class Fp8Config:
         return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
 
     def replace(self, **changes) -> "Fp8Config":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        A recipe object in ``changes`` replaces the whole recipe: the recipe fields it does not
+        set go back to their defaults (a string ``recipe`` keeps them, and so may be refused).
+
+        Example:
+            >>> from fp8boost.fp8 import Rowwise
+            >>> cfg = Fp8Config.from_recipe("blockwise", block_size=64).replace(recipe=Rowwise())
+            >>> cfg.recipe, cfg.block_size
+            ('rowwise', 128)
+        """
+        if isinstance(changes.get("recipe"), ScalingRecipe):
+            changes = {**{name: _DEFAULTS[name] for name in FIELD_RECIPES}, **changes}
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -285,6 +342,11 @@ NAMED_RECIPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "blockwise": {"recipe": "blockwise", "fp8_format": "e4m3"},
         "blockwise_pow2": {"recipe": "blockwise", "fp8_format": "e4m3", "power_of_2_scale": True},
     }.items()})
+
+
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.default for f in dataclasses.fields(Fp8Config)})
+"""Each Fp8Config field's default (none has a default factory)."""
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
