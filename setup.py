@@ -22,8 +22,9 @@ setup(
         # tensorboard: the example's --tensorboard (its test writes real event files)
         # peft: Booster.enable_lora / save_lora_as_pretrained (and their tests)
         # compressed-tensors: the FP8 export's compressed-tensors layout is checked with it
-        "dev": ["pytest>=8", "expecttest", "matplotlib", "tensorboard", "peft>=0.13",
-                "compressed-tensors>=0.10"],
+        # pytest-xdist: the README's `pytest -n 2` (CI's 2 cores)
+        "dev": ["pytest>=8", "pytest-xdist>=3", "expecttest", "matplotlib", "tensorboard",
+                "peft>=0.13", "compressed-tensors>=0.10"],
         "lora": ["peft>=0.13"],
     },
 )
