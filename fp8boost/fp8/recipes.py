@@ -25,10 +25,11 @@ from typing import Any, ClassVar, Mapping
 FORMATS = ("hybrid", "e4m3")
 AMAX_ALGOS = ("max", "most_recent")
 # A field's checks, so that a recipe class and Fp8Config refuse a value with the same words.
-_CHOICES = {"fp8_format": FORMATS, "amax_compute_algo": AMAX_ALGOS}
+_CHOICES = MappingProxyType({"fp8_format": FORMATS, "amax_compute_algo": AMAX_ALGOS})
 _BOOLS = ("power_of_2_scale", "wgrad_high_precision")
-_INT_MINIMUM = {"amax_history_len": (1, "; use 1 to scale from the last step only"),
-                "margin": (0, ""), "block_size": (None, "")}
+_INT_MINIMUM = MappingProxyType({
+    "amax_history_len": (1, "; use 1 to scale from the last step only"),
+    "margin": (0, ""), "block_size": (None, "")})
 
 
 def check_recipe_fields(owner: str, values: Mapping[str, Any]) -> None:
