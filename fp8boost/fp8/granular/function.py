@@ -110,7 +110,7 @@ def weight_operands(weight: torch.Tensor, cfg: Fp8Config,
     """
     g = groups or RowGroups()
     return quantize_with(weight.detach(), cfg.fwd_dtype, cfg, weight=True, rows=True, cols=True,
-                     rows_group=g.w, cols_group=g.wt)
+                         rows_group=g.w, cols_group=g.wt)
 
 
 class GranularLinearFunction(torch.autograd.Function):
@@ -124,7 +124,8 @@ class GranularLinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
         xq, xq_t = quantize_with(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
-                             cols=need_wgrad and not hp_wgrad, backend=backend, rows_group=g.x)
+                                 cols=need_wgrad and not hp_wgrad, backend=backend,
+                                 rows_group=g.x)
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
         if weight_q is not None:  # made by weight_operands: the same bytes
             wq, wq_t = weight_q[0], weight_q[1] if keep_wt else None
@@ -133,8 +134,8 @@ class GranularLinearFunction(torch.autograd.Function):
             wq_t = wq.t() if keep_wt else None
         else:
             wq, wq_t = quantize_with(weight, cfg.fwd_dtype, cfg, weight=True, rows=True,
-                                 cols=keep_wt, backend=backend, rows_group=g.w,
-                                 cols_group=g.wt)
+                                     cols=keep_wt, backend=backend, rows_group=g.w,
+                                     cols_group=g.wt)
         y = granular_mm(xq, wq, backend, bias=bias, out_dtype=x2d.dtype,
                         use_fast_accum=fast_accum(cfg, "fprop"))
         ctx.cfg, ctx.backend, ctx.groups = cfg, backend, g
@@ -160,8 +161,8 @@ class GranularLinearFunction(torch.autograd.Function):
         x_kind, x_block, w_kind, w_block = ctx.kinds
         dy = dy.contiguous()
         dyq, dyq_t = quantize_with(dy, cfg.grad_dtype, cfg, weight=False, rows=ctx.need_dgrad,
-                               cols=ctx.need_wgrad and not ctx.hp_wgrad, backend=backend,
-                               rows_group=g.dy)
+                                   cols=ctx.need_wgrad and not ctx.hp_wgrad, backend=backend,
+                                   rows_group=g.dy)
         dx = dw = db = None
         if ctx.need_dgrad:
             if ctx.weight_t is not None:
@@ -170,7 +171,7 @@ class GranularLinearFunction(torch.autograd.Function):
                 wq_t = carrier_operand(w_param).t()
             elif ctx.recast:  # same bytes as a forward copy: same weight, same deterministic cast
                 _, wq_t = quantize_with(w_param, cfg.fwd_dtype, cfg, weight=True, rows=False,
-                                    cols=True, backend=backend, cols_group=g.wt)
+                                        cols=True, backend=backend, cols_group=g.wt)
             else:
                 wq_t = GranularFp8(wt_data, wt_inv, w_kind, w_block)
             dx = granular_mm(dyq, wq_t, backend, out_dtype=ctx.x_dtype,

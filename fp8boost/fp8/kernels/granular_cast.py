@@ -335,12 +335,20 @@ def rows_only(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_
 
     if config is not None:
         run(config)
-    elif interpreting():
-        run(_INTERP_TILE)
     else:
-        key = (bucket(r), bucket(c), x.dtype, dev.index)
-        run(_ROWS_CACHE.pick(key, rows_configs(c), run, bench=r * c >= ROWS_TUNE_MIN_NUMEL))
+        _run_tuned(run, _ROWS_CACHE, (bucket(r), bucket(c), x.dtype, dev.index), rows_configs(c),
+                   r * c, _INTERP_TILE)
     return GranularFp8(data, inv, "row")
+
+
+def _run_tuned(run, cache: ConfigCache, key: tuple, candidates: tuple, numel: int,
+               interp_config) -> None:
+    """``run(config)`` with ``interp_config`` under the interpreter, else with the config timed
+    once for ``key`` (below ``ROWS_TUNE_MIN_NUMEL`` elements the first candidate, untimed)."""
+    if interpreting():
+        run(interp_config)
+    else:
+        run(cache.pick(key, candidates, run, bench=numel >= ROWS_TUNE_MIN_NUMEL))
 
 
 def _rowwise(x, dtype, rows, cols, kw):
@@ -360,28 +368,23 @@ def _rowwise(x, dtype, rows, cols, kw):
             IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
         out[:] = _launch_tiles(x, dtype, 2, rows, True, br, bc, warps, kw, ramax, camax)
 
-    if interpreting():
-        run(_INTERP_TILE)
-    else:
-        key = (bucket(r), bucket(c), x.dtype, bool(rows), dev.index)
-        run(_RC_CACHE.pick(key, ROWWISE_TILE_CONFIGS, run, bench=r * c >= ROWS_TUNE_MIN_NUMEL))
+    _run_tuned(run, _RC_CACHE, (bucket(r), bucket(c), x.dtype, bool(rows), dev.index),
+               ROWWISE_TILE_CONFIGS, r * c, _INTERP_TILE)
     data, inv, data_t, inv_t = out
     return (GranularFp8(data, inv, "row") if rows else None), GranularFp8(data_t, inv_t, "row")
 
 
 def _blockwise(x, dtype, weight, rows, cols, block, kw):
     mode = 1 if weight else 0
-    if interpreting():
-        return _launch_tiles(x, dtype, mode, rows, cols, block, block, 1, kw)
     out = []
 
     def run(warps):
         out[:] = _launch_tiles(x, dtype, mode, rows, cols, block, block, warps, kw)
 
-    candidates = BLOCK_WARPS if block >= 128 else BLOCK_WARPS_SMALL
     key = (bucket(x.shape[0]), bucket(x.shape[1]), x.dtype, mode, bool(rows), bool(cols), block,
            x.device.index)
-    run(_TILE_CACHE.pick(key, candidates, run, bench=x.numel() >= ROWS_TUNE_MIN_NUMEL))
+    _run_tuned(run, _TILE_CACHE, key, BLOCK_WARPS if block >= 128 else BLOCK_WARPS_SMALL,
+               x.numel(), 1)
     return tuple(out)
 
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from fp8boost import plugins
 
-from .common import SHARDFORMER_TUNING, check_bools, check_type, log_info, log_tuning, \
-    loss_scale_args, takes_colossal_args, tuning_rows
+from .common import LOSS_SCALE_DEFAULTS, SHARDFORMER_TUNING, check_bools, check_type, \
+    log_info, log_tuning, loss_scale_args, pick, takes_colossal_args, tuning_rows
 
 #: The Colossal-AI arguments ``GeminiPlugin.__init__`` passes to ``gemini_args`` (by name).
 GEMINI_ARGS = (
@@ -79,9 +79,7 @@ def gemini_args(precision: str, a: dict) -> dict:
     _unsupported(a)
     _gemini_tuning(a)
     return dict(force_outputs_fp32=a["force_outputs_fp32"], loss_scale_kwargs=loss_scale_args(
-        "gemini", precision, **{n: a[n] for n in ("min_scale", "growth_factor",
-                                                  "backoff_factor", "hysteresis",
-                                                  "max_scale")}))
+        "gemini", precision, **pick(a, LOSS_SCALE_DEFAULTS)))
 
 
 def _unsupported(a: dict) -> None:
