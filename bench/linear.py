@@ -51,7 +51,7 @@ def make_layer(kind: str, k: int, n: int, base: nn.Linear) -> nn.Module:
     if pure:
         from fp8boost.fp8.kernels.backend import TritonBackend
 
-        layer._fp8_backend, layer._backend_device = TritonBackend(allow_cublas=False), base.weight.device
+        layer.use_backend(TritonBackend(allow_cublas=False), base.weight.device)
     return layer
 
 

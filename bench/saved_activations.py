@@ -73,8 +73,8 @@ def build_layer(args, mode: str, compiled: bool = False) -> torch.nn.Module:
         if compiled and MODES[mode].get("compiled_casts") == "kernel":
             from fp8boost.fp8.kernels.backend import TritonBackend
             for mod in layer.modules():
-                if hasattr(mod, "_fp8_backend"):
-                    mod._fp8_backend, mod._backend_device = TritonBackend(), torch.device("cpu")
+                if hasattr(mod, "use_backend"):
+                    mod.use_backend(TritonBackend(), torch.device("cpu"))
     layer.rotary = LlamaRotaryEmbedding(cfg)
     return layer
 

@@ -18,11 +18,13 @@ from torch import nn
 from fp8boost import _state
 
 from .config import GRANULAR_RECIPES, Fp8Config
-from .linear import Fp8Linear, Fp8LinearFunction
+from .linear import Fp8Linear
 from .linear_granular import granular_forward
+from .matmul import Fp8Matmul
 from .min_numel import min_numel_limit
 from .moe import experts_back, experts_decision, is_fp8_experts
 from .prequantized import Fp8WeightTensor, dequantize_weight
+from .operands import OperandSource
 from .record import Fp8Record, fp8_record, record_module
 from .scaling import Fp8Tensor
 
@@ -125,6 +127,24 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     return None
 
 
+class TransposedWeightSource(OperandSource):
+    """Fp8Conv1D's operands: the GEMMs get ``weight.t()`` (``[out, in]``) of the stored
+    ``[in, out]`` Parameter."""
+
+    def is_direct(self, w: torch.Tensor) -> bool:
+        # An FP8 all-gathered [in, out] weight is dequantized and re-cast here: the direct path
+        # assumes Fp8Linear's [out, in] layout.
+        return False
+
+    def weight_operand(self, w: torch.Tensor, with_transpose: bool,
+                       recompute: bool = False) -> Fp8Tensor:
+        # The stored [in, out] weight cast with its transpose gives both operands: the [out, in]
+        # forward operand is its transpose, and the [in, out] dgrad operand is the cast itself
+        # (so there is nothing to re-cast in backward).
+        wq = super().weight_operand(w.t(), with_transpose=True)
+        return Fp8Tensor(wq.data_t, wq.inv_scale, wq.data)
+
+
 class Fp8Conv1D(Fp8Linear):
     """FP8 replacement for HF ``transformers.pytorch_utils.Conv1D``: ``y = x @ W + b``.
 
@@ -141,6 +161,8 @@ class Fp8Conv1D(Fp8Linear):
         >>> layer.weight.shape, layer(torch.randn(2, 5, 64)).shape
         (torch.Size([64, 32]), torch.Size([2, 5, 32]))
     """
+
+    source_cls = TransposedWeightSource
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, config: Optional[Fp8Config] = None) -> "Fp8Conv1D":
@@ -162,23 +184,12 @@ class Fp8Conv1D(Fp8Linear):
         new.resolve_backend()
         return new
 
-    def _prequantized_ok(self, w: torch.Tensor) -> bool:
-        # An FP8 all-gathered [in, out] weight is dequantized and re-cast here: the direct path
-        # assumes Fp8Linear's [out, in] layout.
-        return False
-
-    def _weight_fp8(self, with_transpose: bool, recompute: bool = False) -> Fp8Tensor:
-        # The stored [in, out] weight cast with its transpose gives both operands: the [out, in]
-        # forward operand is its transpose, and the [in, out] dgrad operand is the cast itself
-        # (so there is nothing to re-cast in backward).
-        wq = super()._weight_fp8(with_transpose=True)
-        return Fp8Tensor(wq.data_t, wq.inv_scale, wq.data)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Conv1D expected last dim {self.in_features}, got "
                              f"{tuple(x.shape)}")
         backend = self.resolve_backend(x.device)
+        self.bind_delayed_buffers()  # delayed scaling: from_conv1d replaced the buffers
         weight = self.weight
         if isinstance(weight, Fp8WeightTensor):
             weight = dequantize_weight(weight)
@@ -189,7 +200,7 @@ class Fp8Conv1D(Fp8Linear):
         if self.fp8_config.recipe in GRANULAR_RECIPES:  # rowwise/blockwise: no cache kept
             y = granular_forward(x2d, weight.t(), bias, self.fp8_config, backend)
         else:
-            y = Fp8LinearFunction.apply(x2d, weight.t(), bias, self)  # Fp8Linear's own GEMMs
+            y = Fp8Matmul.apply(x2d, weight.t(), bias, self.operands)  # Fp8Linear's GEMMs
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

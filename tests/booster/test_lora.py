@@ -39,12 +39,12 @@ def _weight_casts(model) -> dict:
     for name, mod in model.named_modules():
         if isinstance(mod, Fp8Linear) and name.endswith("base_layer"):
             counts[name] = 0
-            orig = mod._quantize
+            orig = mod.casts.quantize
 
             def spy(role, *a, _orig=orig, _name=name, **k):
                 counts[_name] += role == "weight"
                 return _orig(role, *a, **k)
-            mod._quantize = spy
+            mod.casts.quantize = spy
     return counts
 
 
@@ -83,7 +83,7 @@ def test_enable_lora_fp8_base_trains_adapters_and_caches_frozen_casts(tmp_path):
     # Each frozen weight was cast once (forward + its transpose), not once per step.
     assert set(counts.values()) == {1}, counts
     layer = names[bases[0]]
-    assert isinstance(layer, Fp8Linear) and layer._cached_weight_t() is not None
+    assert isinstance(layer, Fp8Linear) and layer.operands.cached_transpose(layer.weight) is not None
     weights_loaded(model)  # a loader wrote the weights: the next forward casts again, once
     for _ in range(2):
         wrapped(input_ids=ids, labels=ids).loss.backward()

@@ -125,15 +125,15 @@ def test_recomputed_casts_equal_the_forward_casts():
     originals = {}
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):
-            def spy(role, x, dtype, with_transpose, replay_scale=None, _orig=mod._quantize,
+            def spy(role, x, dtype, with_transpose, replay_scale=None, _orig=mod.casts.quantize,
                     _mod=mod):
                 q = _orig(role, x, dtype, with_transpose, replay_scale)
                 if role != "grad":
                     (rec if recomputing() else fwd).append((id(_mod), role, q.data.clone(),
                                                             q.inv_scale.clone()))
                 return q
-            originals[mod] = mod._quantize
-            mod._quantize = spy
+            originals[mod] = mod.casts.quantize
+            mod.casts.quantize = spy
     ids = _batch(0, 0)
     model(input_ids=ids, labels=ids).loss.backward()
     assert len(rec) == len(fwd) > 0
@@ -143,7 +143,7 @@ def test_recomputed_casts_equal_the_forward_casts():
         f = fwd_by[key(c)]
         assert torch.equal(c[2].view(torch.uint8), f[2].view(torch.uint8))
         assert torch.equal(c[3], f[3])
-    assert all(m._w_cache is None or m._w_cache[1] is None for m in originals)
+    assert all(m.operands.cache is None or m.operands.cache[1] is None for m in originals)
 
 
 def test_compiled_blocks_with_checkpointing_match_uncheckpointed():

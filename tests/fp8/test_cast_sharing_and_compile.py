@@ -46,7 +46,7 @@ def _run(cfg: Fp8Config, x: torch.Tensor, backend=None):
     block = _Block(cfg)
     if backend is not None:
         for layer in (block.q, block.k, block.v):
-            layer._fp8_backend, layer._backend_device = backend, x.device
+            layer.use_backend(backend, x.device)
     xx = x.clone().requires_grad_(True)
     y = block(xx)
     y.square().sum().backward()
@@ -75,7 +75,7 @@ def test_shared_input_cast_not_reused_after_in_place_write_or_for_other_settings
     c = Fp8Linear(32, 16, config=cfg.replace(margin=2))
     backend = _CountingBackend()
     for layer in (a, b, c):
-        layer._fp8_backend, layer._backend_device = backend, torch.device("cpu")
+        layer.use_backend(backend, torch.device("cpu"))
     x = torch.randn(8, 32)
     with torch.no_grad():
         a(x)
@@ -135,7 +135,7 @@ def test_compiled_casts_choose_torch_ops_or_the_backend_cast(mode):
     inductor can fuse); ``'kernel'`` keeps the backend's cast (an opaque op on the GPU)."""
     torch._dynamo.reset()
     layer = Fp8Linear(32, 16, config=Fp8Config(backend="emulated", compiled_casts=mode))
-    layer._fp8_backend, layer._backend_device = _RaisingBackend(), torch.device("cpu")
+    layer.use_backend(_RaisingBackend(), torch.device("cpu"))
     x = torch.randn(8, 32, requires_grad=True)
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     if mode == "kernel":
@@ -257,12 +257,12 @@ def test_compiled_fp8_layers_compile_once_over_training_steps():
             old = getattr(block, name)
             setattr(block, name, nn.Linear(old.in_features, old.out_features, bias=False))
     convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0))
-    assert all(getattr(b, n)._fp8_backend is not None for b in model for n in ("q", "k", "v"))
+    assert all(getattr(b, n).fp8_backend is not None for b in model for n in ("q", "k", "v"))
     # Built on the meta device (nothing to decide yet), then materialized: .to_empty() resolves.
     with torch.device("meta"):
         late = Fp8Linear(48, 48, bias=False, config=Fp8Config(backend="emulated"))
-    assert late._fp8_backend is None
-    assert late.to_empty(device="cpu")._fp8_backend is not None
+    assert late.fp8_backend is None
+    assert late.to_empty(device="cpu").fp8_backend is not None
     for block in model:
         block.compile()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

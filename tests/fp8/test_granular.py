@@ -323,7 +323,7 @@ def test_empty_batch(name):
 
 def test_granular_linear_rejects_bad_input():
     w = torch.randn(8, 16)
-    with pytest.raises(ValueError, match="tensorwise/delayed run in Fp8LinearFunction"):
+    with pytest.raises(ValueError, match="tensorwise/delayed run in Fp8Matmul"):
         granular_linear(torch.randn(4, 16), w, None, Fp8Config(), "emulated")
     cfg = Fp8Config.from_recipe("rowwise")
     with pytest.raises(ValueError, match="flatten leading dims"):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp8boost.fp8 import Fp8Config, Fp8Linear, convert_to_fp8
+from fp8boost.fp8.casts import TensorwiseCasts
 from fp8boost.fp8.granular import RowGroups, granular_linear
 from fp8boost.fp8.linear import invalidate_weight_caches
 
@@ -81,9 +82,9 @@ def test_no_tensorwise_machinery_for_granular_recipes(name, monkeypatch):
     assert layer.amax_group("input") is None and layer.amax_group("weight") is None
     # rowwise reduces the row amaxes of a row-parallel layer's x and W; blockwise nothing
     rowwise = layer.fp8_config.recipe == "rowwise"
-    assert layer._row_groups == (RowGroups(x=group, w=group) if rowwise else None)
+    assert layer.casts.row_groups == (RowGroups(x=group, w=group) if rowwise else None)
     layer.set_amax_groups({"grad": group, "weight": group})
-    assert layer._row_groups == (RowGroups(dy=group, wt=group) if rowwise else None)
+    assert layer.casts.row_groups == (RowGroups(dy=group, wt=group) if rowwise else None)
     if rowwise:
         with pytest.raises(ValueError, match="'input' with it"):
             layer.set_amax_groups({"weight": group})
@@ -94,7 +95,8 @@ def test_no_tensorwise_machinery_for_granular_recipes(name, monkeypatch):
         layer.set_prequantized_weight(torch.zeros(136, 200, dtype=torch.float8_e4m3fn),
                                       torch.ones(()))
     # no shared input cast, no tensorwise cast at all: two layers reading one tensor
-    monkeypatch.setattr(Fp8Linear, "_quantize", lambda *a, **k: pytest.fail("tensorwise cast"))
+    monkeypatch.setattr(TensorwiseCasts, "quantize",
+                        lambda *a, **k: pytest.fail("tensorwise cast"))
     other, _, _ = layer_and_reference(name)
     x = outliers(8, 200)
     layer(x), other(x)
@@ -103,7 +105,7 @@ def test_no_tensorwise_machinery_for_granular_recipes(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["rowwise", "blockwise"])
 def test_frozen_weight_operands_are_cached_and_exact(name, monkeypatch):
-    import fp8boost.fp8.linear as linear_mod
+    import fp8boost.fp8.operands as linear_mod
     layer, w, b = layer_and_reference(name)
     layer.weight.requires_grad_(False)
     calls = []

@@ -105,20 +105,20 @@ def test_weight_cast_is_cached_until_the_weight_changes():
     layer = make()
     backend = CountingBackend()
     layer.resolve_backend(torch.device("cpu"))
-    layer._fp8_backend = backend
+    layer.use_backend(backend, torch.device("cpu"))
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(8, 96)
     layer(x).sum().backward()  # one forward of this weight: cast, nothing kept
-    assert backend.shapes.count((48, 96)) == 1 and layer._w_cache[1] is None
+    assert backend.shapes.count((48, 96)) == 1 and layer.operands.cache[1] is None
     for _ in range(4):  # more micro-batches, no step: cast once more, then cached
         layer(x).sum().backward()
-    assert backend.shapes.count((48, 96)) == 2 and layer._w_cache[1] is not None
+    assert backend.shapes.count((48, 96)) == 2 and layer.operands.cache[1] is not None
     opt.step()  # in-place update bumps the version counter
     layer(x).sum().backward()
-    assert backend.shapes.count((48, 96)) == 3 and layer._w_cache[1] is None
+    assert backend.shapes.count((48, 96)) == 3 and layer.operands.cache[1] is None
     uncached = make(cfg=EMU.replace(cache_weight_cast=False))
     uncached.resolve_backend(torch.device("cpu"))
-    uncached._fp8_backend = b2 = CountingBackend()
+    uncached.use_backend(b2 := CountingBackend(), torch.device("cpu"))
     for _ in range(2):
         uncached(x).sum().backward()
     assert b2.shapes.count((48, 96)) == 2

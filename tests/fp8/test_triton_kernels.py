@@ -232,7 +232,7 @@ def test_custom_ops_opcheck():
 def _with_triton_backend(layer: Fp8Linear, device) -> Fp8Linear:
     from fp8boost.fp8.kernels.backend import TritonBackend
 
-    layer._fp8_backend, layer._backend_device = TritonBackend(), torch.device(device)
+    layer.use_backend(TritonBackend(), torch.device(device))
     return layer
 
 

@@ -5,7 +5,7 @@ What "direct" promises, and how each promise is checked:
   cast of the full weight with the scale from the global amax (the layer's own scaling rule),
   and the forward output is bit-identical to a single-process ``Fp8Linear`` holding the full
   weight (which casts it itself, with the same scale);
-* ``Fp8Linear`` never quantizes the weight on that path (``_quantize(role="weight")`` counted);
+* ``Fp8Linear`` never quantizes the weight on that path (its ``casts.quantize(role="weight")`` calls counted);
 * training parity: FSDP on 2 ranks vs one process running the two ranks' batches as two
   micro-batches (same FP8 casts of inputs and output gradients, gradients averaged). The only
   possible difference is the order of the FP32 gradient average, well under 1 ulp per step
@@ -63,29 +63,37 @@ def _shard(model, mesh, comm, **kw):
 
 
 class _Spy:
-    """Counts ``dist.all_reduce`` calls and ``Fp8Linear._quantize`` calls by role."""
+    """Counts ``dist.all_reduce`` calls and the layers' casts by role
+    (``(id(layer.casts), role)``)."""
 
     def __init__(self):
-        from fp8boost.fp8 import Fp8Linear
+        from fp8boost.fp8.casts import DelayedCasts, TensorwiseCasts
         self.reduces, self.quant = 0, []
-        self._ar, self._q, self._cls = dist.all_reduce, Fp8Linear._quantize, Fp8Linear
+        self._classes = (TensorwiseCasts, DelayedCasts)
+        self._ar, self._qs = dist.all_reduce, [c.__dict__["quantize"] for c in self._classes]
 
     def __enter__(self):
-        spy, ar, q = self, self._ar, self._q
+        spy, ar = self, self._ar
 
         def all_reduce(*a, **k):
             spy.reduces += 1
             return ar(*a, **k)
 
-        def quantize(layer, role, x, dtype, with_transpose):
-            spy.quant.append((id(layer), role))
-            return q(layer, role, x, dtype, with_transpose)
+        def spying(q):
+            def quantize(casts, role, *a, **k):
+                spy.quant.append((id(casts), role))
+                return q(casts, role, *a, **k)
+            return quantize
 
-        dist.all_reduce, self._cls._quantize = all_reduce, quantize
+        dist.all_reduce = all_reduce
+        for cls, q in zip(self._classes, self._qs):
+            cls.quantize = spying(q)
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce, self._cls._quantize = self._ar, self._q
+        dist.all_reduce = self._ar
+        for cls, q in zip(self._classes, self._qs):
+            cls.quantize = q
 
 
 def _expected_bytes(full_w: torch.Tensor, cfg):
@@ -136,7 +144,7 @@ def _check_direct(rank: int, ws: int) -> None:
             first.setdefault(i, w)
             assert w is first[i], "(d) later steps must refill the same unsharded weight (out=)"
         # (b) no weight quantize in the FSDP model; inputs and grads are still quantized
-        ids = {id(model[i]) for i in LIN}
+        ids = {id(model[i].casts) for i in LIN}
         roles = [r for lid, r in spy.quant if lid in ids]
         assert "weight" not in roles and roles.count("input") == 3 and roles.count("grad") == 3
         # per-weight amax all-reduces only before the first precompute
@@ -281,7 +289,7 @@ def test_fp8linear_uses_a_prequantized_weight_as_is():
             y.square().sum().backward()
     y2 = ref(x2)
     y2.square().sum().backward()
-    assert (id(layer), "weight") not in spy.quant
+    assert (id(layer.casts), "weight") not in spy.quant
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     assert type(layer.weight.grad) is torch.Tensor and torch.equal(layer.weight.grad, ref.weight.grad)
     with torch.no_grad():  # forward only: no transpose is made or saved
@@ -309,7 +317,7 @@ def test_delayed_fp8linear_requantizes_a_carrier_with_a_warning():
     with pytest.warns(UserWarning, match="delayed scaling"):
         with _Spy() as spy:
             layer(torch.randn(4, 32)).sum().backward()
-    assert (id(layer), "weight") in spy.quant
+    assert (id(layer.casts), "weight") in spy.quant
 
 
 def test_gather_plan_reasons():

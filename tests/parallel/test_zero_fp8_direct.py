@@ -43,29 +43,37 @@ def _model():
 
 
 class _Spy:
-    """Records ``dist.all_reduce`` calls (op, numel) and ``Fp8Linear._quantize`` roles."""
+    """Records ``dist.all_reduce`` calls (op, numel) and the roles of the layers' casts
+    (``(id(layer.casts), role)``)."""
 
     def __init__(self):
-        from fp8boost.fp8 import Fp8Linear
+        from fp8boost.fp8.casts import DelayedCasts, TensorwiseCasts
         self.reduces, self.roles = [], []
-        self._ar, self._q, self._cls = dist.all_reduce, Fp8Linear._quantize, Fp8Linear
+        self._classes = (TensorwiseCasts, DelayedCasts)
+        self._ar, self._qs = dist.all_reduce, [c.__dict__["quantize"] for c in self._classes]
 
     def __enter__(self):
-        spy, ar, q = self, self._ar, self._q
+        spy, ar = self, self._ar
 
         def all_reduce(t, *a, **k):
             spy.reduces.append((k.get("op", a[0] if a else dist.ReduceOp.SUM), t.numel()))
             return ar(t, *a, **k)
 
-        def quantize(layer, role, x, dtype, with_transpose):
-            spy.roles.append((id(layer), role))
-            return q(layer, role, x, dtype, with_transpose)
+        def spying(q):
+            def quantize(casts, role, *a, **k):
+                spy.roles.append((id(casts), role))
+                return q(casts, role, *a, **k)
+            return quantize
 
-        dist.all_reduce, self._cls._quantize = all_reduce, quantize
+        dist.all_reduce = all_reduce
+        for cls, q in zip(self._classes, self._qs):
+            cls.quantize = spying(q)
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce, self._cls._quantize = self._ar, self._q
+        dist.all_reduce = self._ar
+        for cls, q in zip(self._classes, self._qs):
+            cls.quantize = q
 
 
 def _step(model, opt, rank: int, step: int) -> _Spy:
@@ -99,7 +107,7 @@ def _check_bytes(model, opt) -> None:
         assert torch.equal(data.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(inv, scale.reciprocal())
         assert torch.equal(layer.weight.detach(), dequantize(q, inv, torch.bfloat16))
-    assert "_pre_w" not in model[2].__dict__  # delayed scaling: regular FP8 gather
+    assert model[2].prequantized_weight is None  # delayed scaling: regular FP8 gather
 
 
 def _check_forward(model) -> None:
@@ -107,20 +115,20 @@ def _check_forward(model) -> None:
     layer = model[0]
     pre = layer.prequantized_weight
     data, inv = pre.data, pre.inv_scale
-    be, cfg = layer._fp8_backend, layer.fp8_config
+    be, cfg = layer.fp8_backend, layer.fp8_config
     x = torch.randn(6, 32).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(6, 64).to(torch.bfloat16)
-    layer._w_cache = None
+    layer.operands.invalidate()
     with _Spy() as spy:
         y = layer(x)
         y.backward(dy)
     assert all(role != "weight" for _, role in spy.roles), spy.roles
-    assert layer._w_cache is None
-    xq = layer._quantize("input", x.detach(), cfg.fwd_dtype, with_transpose=False)
+    assert layer.operands.cache is None
+    xq = layer.casts.quantize("input", x.detach(), cfg.fwd_dtype, with_transpose=False)
     y_ref = be.mm(xq.data, data, xq.inv_scale, inv, bias=layer.bias.to(x.dtype),
                   out_dtype=x.dtype, use_fast_accum=cfg.fast_accum_fprop)
     assert torch.equal(y.detach(), y_ref)
-    dyq = layer._quantize("grad", dy, cfg.grad_dtype, with_transpose=False)
+    dyq = layer.casts.quantize("grad", dy, cfg.grad_dtype, with_transpose=False)
     dx_ref = be.mm(dyq.data, data.t().contiguous(), dyq.inv_scale, inv, out_dtype=x.dtype,
                    use_fast_accum=cfg.fast_accum_dgrad)
     assert torch.equal(x.grad, dx_ref)
@@ -130,7 +138,7 @@ def _casts_weight(layer) -> bool:
     with _Spy() as spy, warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         layer(torch.randn(2, layer.in_features).to(torch.bfloat16))
-    return (id(layer), "weight") in spy.roles
+    return (id(layer.casts), "weight") in spy.roles
 
 
 def _check_invalidation(model, opt, rank: int) -> None:
@@ -139,7 +147,7 @@ def _check_invalidation(model, opt, rank: int) -> None:
     assert not _casts_weight(layer)
     with torch.no_grad():
         layer.weight.mul_(1)  # bumps the version
-    assert _casts_weight(layer) and layer.__dict__.get("_pre_w") is None
+    assert _casts_weight(layer) and layer.prequantized_weight is None
     _step(model, opt, rank, 7)  # a ZeRO step hands fresh bytes
     assert not _casts_weight(layer)
     other = torch.zeros(1, requires_grad=True)
@@ -195,7 +203,7 @@ def _plugin_parity(rank: int, world: int) -> dict:
         with _Spy() as spy:
             losses = H.train(booster, model, opt, rank, world, STEPS)
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-        assert len(layers) == 3 and all(m.__dict__.get("_pre_w") is not None for m in layers)
+        assert len(layers) == 3 and all(m.prequantized_weight is not None for m in layers)
         assert sum(r == (dist.ReduceOp.MAX, 3) for r in spy.reduces) == STEPS, spy.reduces
         dl = H.max_rel(losses, ref_losses)
         dw = H.rel_update_error(H.true_weights(model, opt), ref_weights, init)
@@ -241,7 +249,7 @@ def test_compiled_layer_uses_the_prequantized_weight_without_a_graph_break():
     plain.load_state_dict(layer.state_dict())
     assert not torch.equal(got, plain(x).detach())  # the 2x bytes were read, not the weight
     layer.load_state_dict(layer.state_dict())
-    assert layer.__dict__.get("_pre_w") is None
+    assert layer.prequantized_weight is None
     torch._dynamo.reset()
 
 

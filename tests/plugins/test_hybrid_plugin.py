@@ -81,7 +81,7 @@ def _fp8_scales_match_one_process(rank: int, world: int) -> None:
         assert isinstance(mine, Fp8Linear) and isinstance(ref, Fp8Linear)
         mine.resolve_backend(torch.device("cpu"))
         ref.resolve_backend(torch.device("cpu"))
-        wq, rq = mine._weight_fp8(False), ref._weight_fp8(False)
+        wq, rq = mine.operands.weight_operand(mine.weight, False), ref.operands.weight_operand(ref.weight, False)
         dim = 0 if name.endswith("q_proj") else 1
         want = rq.data.view(torch.uint8).chunk(4, dim=dim)[r]
         assert torch.equal(wq.data.view(torch.uint8), want), name
@@ -93,8 +93,8 @@ def _fp8_scales_match_one_process(rank: int, world: int) -> None:
     ref_down.resolve_backend(torch.device("cpu"))
     torch.manual_seed(0)
     x = torch.randn(8, 128).to(torch.bfloat16) * torch.linspace(0.1, 3, 128).to(torch.bfloat16)
-    xq = down._quantize("input", x.chunk(4, dim=1)[r].contiguous(), cfg.fwd_dtype, False)
-    xr = ref_down._quantize("input", x, cfg.fwd_dtype, False)
+    xq = down.casts.quantize("input", x.chunk(4, dim=1)[r].contiguous(), cfg.fwd_dtype, False)
+    xr = ref_down.casts.quantize("input", x, cfg.fwd_dtype, False)
     assert torch.equal(xq.inv_scale, xr.inv_scale)
     assert torch.equal(xq.data.view(torch.uint8), xr.data.view(torch.uint8).chunk(4, dim=1)[r])
 

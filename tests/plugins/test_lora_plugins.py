@@ -109,7 +109,7 @@ def _case(kind: str, rank: int, tmp: str) -> dict:
     base_same = _base_unchanged(plugin, inner, base0)
     masters = sum(1 for _ in getattr(opt, "params", ()))  # ZeRO: what it keeps masters for
     booster.save_lora_as_pretrained(wrapped, f"{tmp}/{kind}")
-    kept = sum(m._cached_weight_t() is not None for n, m in inner.named_modules()
+    kept = sum(m.operands.cached_transpose(m.weight) is not None for n, m in inner.named_modules()
                if n.endswith("base_layer"))  # frozen casts held between steps
     out = {"kept_casts": kept, "fp8_bases": fp8_bases, "fp8_adapters": fp8_adapters, "base_same": base_same,
            "masters": masters, "n_adapters": len(init)}

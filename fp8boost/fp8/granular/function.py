@@ -231,7 +231,7 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
     if config.recipe not in GRANULAR_RECIPES:
         raise ValueError(f"granular_linear runs the recipes {GRANULAR_RECIPES}, got "
-                         f"{config.recipe!r}; tensorwise/delayed run in Fp8LinearFunction")
+                         f"{config.recipe!r}; tensorwise/delayed run in Fp8Matmul")
     if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
         raise ValueError(f"granular_linear needs x2d [M, K] and weight [N, K], got "
                          f"{tuple(x2d.shape)} and {tuple(weight.shape)}; flatten leading dims "
