@@ -11,6 +11,7 @@ import torch
 
 import hybrid
 import moe
+from cli import fp8_options
 
 
 def make_booster(args: argparse.Namespace, device: torch.device) -> Any:
@@ -32,6 +33,7 @@ def make_booster(args: argparse.Namespace, device: torch.device) -> Any:
             # speed to lose on small layers. Convert them all so the demo really runs FP8.
             min_numel = 0
         extra = {} if min_numel is None else dict(min_numel=min_numel)
+        extra.update(fp8_options(args))
         fp8_config = Fp8Config.from_recipe(args.fp8_recipe, **extra)
     from fp8boost.parallel.nonfinite import NonFiniteGuard
 

@@ -9,9 +9,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
-from fp8boost.fp8.config import NAMED_RECIPES
+from fp8boost.fp8.config import NAMED_RECIPES, Fp8Config
 
 import checkpointing
 import data as data_lib
@@ -133,6 +133,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="FP8 scaling recipe (Fp8Config.from_recipe) for --use-fp8: per tensor "
                         "(tensorwise*, delayed), per row (rowwise, rowwise_with_gw_hp: BF16 "
                         "weight gradient) or DeepSeek-V3 blocks (blockwise, blockwise_pow2)")
+    g.add_argument("--fp8-option", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one Fp8Config field of --fp8-recipe, e.g. fp8_format=hybrid "
+                        "or power_of_2_scale=false (repeatable; needs --use-fp8)")
     g.add_argument("--fp8-head", default="none", choices=("none", "rowwise", "blockwise"),
                    help="the lm_head's logits and input-gradient GEMMs in FP8 inside the fused "
                         "loss (FusedLmLossConfig(fp8_recipe=...)); independent of --use-fp8")
@@ -320,11 +323,46 @@ def _check_plugin(args: argparse.Namespace, world_size: int) -> None:
     if args.fp8_reduce_scatter and args.plugin not in RS_PLUGINS:
         raise ValueError(f"--fp8-reduce-scatter applies to --plugin {'|'.join(RS_PLUGINS)} "
                          f"(this run has --plugin {args.plugin}); drop it")
+    if args.fp8_option:
+        fp8_options(args)  # a bad FIELD=VALUE is refused here, before any work
     hybrid.validate_hybrid_args(args, world_size)
     moe.validate_moe_args(args, world_size)
     if args.plugin == "none" and args.use_fp8 and args.precision != "bf16":
         raise ValueError("--plugin none --use-fp8 trains BF16 with FP8 GEMMs "
                          "(Booster(mixed_precision='fp8')); use --precision bf16 or a plugin")
+
+
+def fp8_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--fp8-option FIELD=VALUE`` pairs as ``Fp8Config.from_recipe`` overrides.
+
+    Values are read as ``true``/``false``, an integer, a float, else kept as text; the field
+    names and values are checked by ``Fp8Config`` itself (its ``ValueError`` names the fix).
+    """
+    if args.fp8_option and not args.use_fp8:
+        raise ValueError("--fp8-option sets a field of the FP8 recipe; add --use-fp8")
+    fields = set(Fp8Config.__dataclass_fields__)
+    out: dict[str, Any] = {}
+    for item in args.fp8_option:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--fp8-option {item!r}: expected FIELD=VALUE with FIELD one of "
+                             f"Fp8Config's fields ({', '.join(sorted(fields))})")
+        out[name] = _option_value(text)
+    if out:
+        Fp8Config.from_recipe(args.fp8_recipe, **out)  # the config's own checks, before any work
+    return out
+
+
+def _option_value(text: str) -> Any:
+    """``true``/``false`` as bools, then int, then float, else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _check_files_and_faults(args: argparse.Namespace, world_size: int) -> None:

@@ -47,24 +47,37 @@ def conv_after(label: str, name: str, tmp: str, dest: str, tail: int = 0, cut: i
     return after
 
 
+# Variants of a recipe for issue 35's rowwise question (which choice costs the loss):
+# name -> (recipe, --fp8-option overrides).
+CONV_VARIANTS = {"rowwise_e5m2grad": ("rowwise", "fp8_format=hybrid"),
+                 "rowwise_fp32scale": ("rowwise", "power_of_2_scale=false")}
+
+
 def convergence_1gpu(ctx: Ctx) -> list[Step]:
     """One run per recipe (bf16 = no FP8), batch 6 x 512 (the 2-GPU suite's 2 x 3); a name
-    ending in ``_fp8head`` adds the FP8 lm_head (``--fp8-head rowwise``, issue 35)."""
+    ending in ``_fp8head`` adds the FP8 lm_head (``--fp8-head rowwise``, issue 35); a name of
+    ``CONV_VARIANTS`` is a recipe with one field changed."""
     tok = ctx.values.get("TOKENIZER", "")
     if tok and not re.fullmatch(r"[A-Za-z0-9_./-]+", tok):
         raise SuiteError(f"convergence-1gpu: bad TOKENIZER {tok!r}")
+    seed = ctx.values["SEED"]
+    if not seed.isdigit():
+        raise SuiteError(f"convergence-1gpu: SEED must be a non-negative integer, got {seed!r}")
     # bench/make_tokenizer.py's folder: its name goes into the run's files (.data/tok128k: _tok128k)
     suffix = f"_{tok.rstrip('/').rsplit('/', 1)[-1]}" if tok else ""
+    suffix += "" if seed == "0" else f"_seed{seed}"  # seed 0 keeps the first runs' file names
     steps = []
     for name in run_names(ctx, "runs"):
-        recipe = name.removesuffix("_fp8head")
+        base = name.removesuffix("_fp8head")
+        recipe, option = CONV_VARIANTS.get(base, (base, ""))
         flags = "" if recipe == "bf16" else f" {F8} --fp8-recipe {recipe}"
-        flags += " --fp8-head rowwise" if recipe != name else ""
+        flags += f" --fp8-option {option}" if option else ""
+        flags += " --fp8-head rowwise" if base != name else ""
         flags += f" --tokenizer {tok}" if tok else ""
         run = f"{name}{suffix}"
         steps.append(Step(
             f"torchrun --standalone --nproc_per_node=1 {CONV} --batch-size 6 --log-every 100"
-            f"{flags} --out-dir /tmp/conv1_{run}", timeout="{RUN_TIMEOUT}",
+            f" --seed {seed}{flags} --out-dir /tmp/conv1_{run}", timeout="{RUN_TIMEOUT}",
             log=f"/tmp/conv1_{run}.log", show=False,
             after=conv_after("conv", run, f"/tmp/conv1_{run}",
                              f"convergence_1gpu_{run}.jsonl"),
@@ -76,10 +89,11 @@ CONVERGENCE_1GPU = Suite(
     "convergence-1gpu", "run_convergence_1gpu.sh",
     "2000-step loss curves of the FP8 recipes on one GPU (125M Llama, shakespeare; carry .data)",
     gpus="1", time="~2.5 min/run", build=convergence_1gpu,
-    knobs={**CONV_KNOBS, "RUN_TIMEOUT": "150", "TOKENIZER": ""},
+    knobs={**CONV_KNOBS, "RUN_TIMEOUT": "150", "TOKENIZER": "", "SEED": "0"},
     args=(("runs", "bf16,tensorwise,rowwise,blockwise"),),
     usage="runs: comma-separated recipes (bf16 = no FP8; <recipe>_fp8head adds the FP8 "
-          "lm_head); TOKENIZER: a local tokenizer folder (bench/make_tokenizer.py, e.g. "
+          "lm_head; rowwise_e5m2grad / rowwise_fp32scale: rowwise with e5m2 gradients / FP32 "
+          "scales); SEED: other than 0 adds _seed<SEED> to the files; TOKENIZER: a local tokenizer folder (bench/make_tokenizer.py, e.g. "
           ".data/tok128k: Llama 3's vocabulary size) instead of bytes; JSONL per run -> "
           "$OUT/convergence_1gpu_<run>[_<tokenizer>].jsonl; plot with bench/plot_convergence.py")
 

@@ -113,6 +113,14 @@ def test_env_knobs_and_arguments_reach_the_commands(tmp_path):
     assert out.stdout.count("--tokenizer .data/tok128k") == 2
     assert "--fp8-head rowwise --tokenizer" in out.stdout and "--use-fp8" not in out.stdout
     assert f"{tmp_path}/convergence_1gpu_bf16_fp8head_tok128k.jsonl" in out.stdout
+    out = suite_cli("--dry-run", "convergence-1gpu", "rowwise_e5m2grad,rowwise_fp32scale",
+                    OUT=str(tmp_path), SEED="3")
+    assert "--fp8-recipe rowwise --fp8-option fp8_format=hybrid" in out.stdout
+    assert "--fp8-recipe rowwise --fp8-option power_of_2_scale=false" in out.stdout
+    assert out.stdout.count("--seed 3 ") == 2
+    assert f"{tmp_path}/convergence_1gpu_rowwise_fp32scale_seed3.jsonl" in out.stdout
+    out = suite_cli("--dry-run", "convergence-1gpu", "bf16", SEED="-1")
+    assert out.returncode != 0 and "SEED must be" in out.stdout + out.stderr
     out = suite_cli("--dry-run", "convergence-1gpu", "bf16", TOKENIZER="x; rm -rf /")
     assert out.returncode != 0 and "bad TOKENIZER" in out.stdout + out.stderr
     out = suite_cli("--dry-run", "moe-4gpu", "ep4_fp8comm_compiled", PRESET="7b-8l")

@@ -312,6 +312,11 @@ def test_cosine_schedule_with_warmup(ex):
      "--tp is an option of --plugin hybrid"),
     (["--plugin", "hybrid", "--tp", "2", "--fp8-head", "rowwise", "world=2"],
      "--fp8-head is wired for --plugin none"),
+    # --fp8-option FIELD=VALUE
+    (["--fp8-option", "fp8_format=hybrid"], "--fp8-option sets a field of the FP8 recipe"),
+    (["--use-fp8", "--fp8-option", "fp8_fromat=hybrid"], "expected FIELD=VALUE with FIELD one"),
+    (["--use-fp8", "--fp8-option", "margin"], "expected FIELD=VALUE"),
+    (["--use-fp8", "--fp8-option", "fp8_format=e3m4"], "fp8_format='e3m4' is not supported"),
 ])
 def test_bad_arguments_raise_before_any_work(ex, argv, match):
     world = 4 if "hybrid" in argv else 1  # "world=N" in a case: N ranks
@@ -461,6 +466,28 @@ def test_fp8_recipe_option_builds_that_recipe(ex, tmp_path, monkeypatch):
     assert built == ["delayed"]
     assert json.loads((tmp_path / "run_config.json").read_text())["fp8_recipe"] == "delayed"
     assert len(_losses(tmp_path)) == 3
+
+
+def test_fp8_option_overrides_the_recipe_field(ex, tmp_path, monkeypatch):
+    from fp8boost.fp8 import Fp8Config
+
+    built = []
+    real = Fp8Config.from_recipe.__func__
+
+    def spy(cls, name, **kw):
+        cfg = real(cls, name, **kw)
+        built.append(cfg)
+        return cfg
+
+    monkeypatch.setattr(Fp8Config, "from_recipe", classmethod(spy))
+    ex.train.train(ex.train.parse_args([*FAST, "--use-fp8", "--fp8-recipe", "rowwise",
+                                        "--fp8-option", "fp8_format=hybrid",
+                                        "--fp8-option", "power_of_2_scale=false",
+                                        "--steps", "2", "--eval-every", "0",
+                                        "--out-dir", str(tmp_path)]))
+    cfg = built[-1]  # the booster's (validation builds one first)
+    assert (cfg.recipe, cfg.fp8_format, cfg.power_of_2_scale) == ("rowwise", "hybrid", False)
+    assert len(_losses(tmp_path)) == 2
 
 
 def test_fp8_head_option_runs_the_fp8_head(ex, tmp_path, monkeypatch):
