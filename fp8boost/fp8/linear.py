@@ -47,7 +47,7 @@ def weights_loaded(model: nn.Module) -> None:
     ``load_state_dict``, cached casts are dropped and loaded amax histories kept (exact resume)."""
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):
-            mod._weights_loaded([bool(h.any()) for h in mod.fp8_amax_history]
+            mod.reset_after_load([bool(h.any()) for h in mod.fp8_amax_history]
                                 if mod.casts.delayed else None)
 
 
@@ -160,9 +160,9 @@ class Fp8Linear(nn.Linear):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         loaded = self.casts.delayed and prefix + "fp8_amax_history" in state_dict
-        self._weights_loaded([True] * len(ROLES) if loaded else None)
+        self.reset_after_load([True] * len(ROLES) if loaded else None)
 
-    def _weights_loaded(self, initialized: Optional[list[bool]]) -> None:
+    def reset_after_load(self, initialized: Optional[list[bool]]) -> None:
         """After a load: cached casts and a prequantized operand describe the old weight;
         ``initialized`` (delayed scaling, per role): whether its history now holds a loaded one
         (kept, not re-seeded from the next input). None leaves the states as they are."""

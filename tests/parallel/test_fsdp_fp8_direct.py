@@ -22,10 +22,10 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.parallel.cast_spy import CastSpy
 
 E4M3 = torch.float8_e4m3fn
 
@@ -62,40 +62,6 @@ def _shard(model, mesh, comm, **kw):
     return names
 
 
-class _Spy:
-    """Counts ``dist.all_reduce`` calls and the layers' casts by role
-    (``(id(layer.casts), role)``)."""
-
-    def __init__(self):
-        from fp8boost.fp8.casts import DelayedCasts, TensorwiseCasts
-        self.reduces, self.quant = 0, []
-        self._classes = (TensorwiseCasts, DelayedCasts)
-        self._ar, self._qs = dist.all_reduce, [c.__dict__["quantize"] for c in self._classes]
-
-    def __enter__(self):
-        spy, ar = self, self._ar
-
-        def all_reduce(*a, **k):
-            spy.reduces += 1
-            return ar(*a, **k)
-
-        def spying(q):
-            def quantize(casts, role, *a, **k):
-                spy.quant.append((id(casts), role))
-                return q(casts, role, *a, **k)
-            return quantize
-
-        dist.all_reduce = all_reduce
-        for cls, q in zip(self._classes, self._qs):
-            cls.quantize = spying(q)
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._ar
-        for cls, q in zip(self._classes, self._qs):
-            cls.quantize = q
-
-
 def _expected_bytes(full_w: torch.Tensor, cfg):
     """The e4m3 cast of the full weight with the scale from its (global) amax."""
     from fp8boost.fp8.scaling import amax, cast_to_fp8, scale_from_amax
@@ -130,7 +96,7 @@ def _check_direct(rank: int, ws: int) -> None:
         single = copy.deepcopy(ref)
         for i in LIN:
             single[i].weight.data.copy_(full[i])
-        with _Spy() as spy:
+        with CastSpy() as spy:
             out = model(x)
             loss = nn.functional.mse_loss(out, y)
             loss.backward()
@@ -145,10 +111,10 @@ def _check_direct(rank: int, ws: int) -> None:
             assert w is first[i], "(d) later steps must refill the same unsharded weight (out=)"
         # (b) no weight quantize in the FSDP model; inputs and grads are still quantized
         ids = {id(model[i].casts) for i in LIN}
-        roles = [r for lid, r in spy.quant if lid in ids]
+        roles = [r for lid, r in spy.casts if lid in ids]
         assert "weight" not in roles and roles.count("input") == 3 and roles.count("grad") == 3
         # per-weight amax all-reduces only before the first precompute
-        assert (spy.reduces > 0) == (step == 0), (step, spy.reduces)
+        assert bool(spy.reduces) == (step == 0), (step, spy.reduces)
         # (c) reference: the ranks' batches as micro-batches of one process
         ref_losses = []
         for r in range(ws):
@@ -165,9 +131,9 @@ def _check_direct(rank: int, ws: int) -> None:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        with _Spy() as spy:
+        with CastSpy() as spy:
             assert precompute_fp8_all_gather_scales(model) == 3
-        assert spy.reduces == 1, "(c) precompute must issue exactly one all-reduce"
+        assert len(spy.reduces) == 1, "(c) precompute must issue exactly one all-reduce"
         for i in LIN:  # inductor would copy a misaligned scale input at every call
             pre = model[i].weight._local_tensor._precomputed
             assert pre[0].data_ptr() % 16 == 0 and pre[1].data_ptr() % 16 == 0, i
@@ -284,12 +250,12 @@ def test_fp8linear_uses_a_prequantized_weight_as_is():
     x2 = x.detach().clone().requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with _Spy() as spy:
+        with CastSpy() as spy:
             y = layer(x)
             y.square().sum().backward()
     y2 = ref(x2)
     y2.square().sum().backward()
-    assert (id(layer.casts), "weight") not in spy.quant
+    assert (id(layer.casts), "weight") not in spy.casts
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     assert type(layer.weight.grad) is torch.Tensor and torch.equal(layer.weight.grad, ref.weight.grad)
     with torch.no_grad():  # forward only: no transpose is made or saved
@@ -315,9 +281,9 @@ def test_carrier_reads_fall_back_to_the_dequantized_value_and_writes_raise():
 def test_delayed_fp8linear_requantizes_a_carrier_with_a_warning():
     layer, _ = _carrier_layer(cfg=_cfg(recipe="delayed"))
     with pytest.warns(UserWarning, match="delayed scaling"):
-        with _Spy() as spy:
+        with CastSpy() as spy:
             layer(torch.randn(4, 32)).sum().backward()
-    assert (id(layer.casts), "weight") in spy.quant
+    assert (id(layer.casts), "weight") in spy.casts
 
 
 def test_gather_plan_reasons():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.parallel.cast_spy import CastSpy
 
 E4M3 = torch.float8_e4m3fn
 
@@ -42,46 +43,12 @@ def _model():
                          Fp8Linear(48, 16, config=cfg)).to(torch.bfloat16)
 
 
-class _Spy:
-    """Records ``dist.all_reduce`` calls (op, numel) and the roles of the layers' casts
-    (``(id(layer.casts), role)``)."""
-
-    def __init__(self):
-        from fp8boost.fp8.casts import DelayedCasts, TensorwiseCasts
-        self.reduces, self.roles = [], []
-        self._classes = (TensorwiseCasts, DelayedCasts)
-        self._ar, self._qs = dist.all_reduce, [c.__dict__["quantize"] for c in self._classes]
-
-    def __enter__(self):
-        spy, ar = self, self._ar
-
-        def all_reduce(t, *a, **k):
-            spy.reduces.append((k.get("op", a[0] if a else dist.ReduceOp.SUM), t.numel()))
-            return ar(t, *a, **k)
-
-        def spying(q):
-            def quantize(casts, role, *a, **k):
-                spy.roles.append((id(casts), role))
-                return q(casts, role, *a, **k)
-            return quantize
-
-        dist.all_reduce = all_reduce
-        for cls, q in zip(self._classes, self._qs):
-            cls.quantize = spying(q)
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._ar
-        for cls, q in zip(self._classes, self._qs):
-            cls.quantize = q
-
-
-def _step(model, opt, rank: int, step: int) -> _Spy:
+def _step(model, opt, rank: int, step: int) -> CastSpy:
     g = torch.Generator().manual_seed(10 * step + rank)
     x = (torch.randn(8, 32, generator=g) * (1 + rank)).to(torch.bfloat16)
     loss = model(x).float().pow(2).mean()
     opt.backward(loss)
-    with _Spy() as spy:
+    with CastSpy() as spy:
         opt.step()
     opt.zero_grad()
     return spy
@@ -119,10 +86,10 @@ def _check_forward(model) -> None:
     x = torch.randn(6, 32).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(6, 64).to(torch.bfloat16)
     layer.operands.invalidate()
-    with _Spy() as spy:
+    with CastSpy() as spy:
         y = layer(x)
         y.backward(dy)
-    assert all(role != "weight" for _, role in spy.roles), spy.roles
+    assert all(role != "weight" for _, role in spy.casts), spy.casts
     assert layer.operands.cache is None
     xq = layer.casts.quantize("input", x.detach(), cfg.fwd_dtype, with_transpose=False)
     y_ref = be.mm(xq.data, data, xq.inv_scale, inv, bias=layer.bias.to(x.dtype),
@@ -135,10 +102,10 @@ def _check_forward(model) -> None:
 
 
 def _casts_weight(layer) -> bool:
-    with _Spy() as spy, warnings.catch_warnings(record=True):
+    with CastSpy() as spy, warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         layer(torch.randn(2, layer.in_features).to(torch.bfloat16))
-    return (id(layer.casts), "weight") in spy.roles
+    return (id(layer.casts), "weight") in spy.casts
 
 
 def _check_invalidation(model, opt, rank: int) -> None:
@@ -200,7 +167,7 @@ def _plugin_parity(rank: int, world: int) -> dict:
         model = H.make_mlp()
         model, opt, *_ = booster.boost(model, _sgd(model))
         opt.bind_fp8_layers(model)
-        with _Spy() as spy:
+        with CastSpy() as spy:
             losses = H.train(booster, model, opt, rank, world, STEPS)
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
         assert len(layers) == 3 and all(m.prequantized_weight is not None for m in layers)
