@@ -12,6 +12,13 @@ GB/s = those bytes / median time; ``pct_hbm`` compares with the H100's ~3.35 TB/
 (``dst.copy_(src)`` on 1 GiB, read + write). The blockwise kernels read x once, so they can
 approach the floor; the rowwise ones read it twice (amax pass, cast pass), by design.
 
+Two more columns, under ``torch.compile`` (``--no-compiled`` leaves them out): ``compiled``, the
+reference ops compiled alone (what a compiled training step runs: the Triton kernels are eager
+only), and ``fused``, the extra time the cast adds when inductor fuses it into its producer, an
+RMSNorm (``rms_norm(x) -> cast`` minus ``rms_norm(x)`` alone, both compiled; its GB/s counts only
+the FP8 bytes and scales written, the read of x being the norm's). The compiled results are
+checked bit-exact against the eager reference too.
+
 Timings: median of many runs (``triton.testing.do_bench``, L2 flushed before each run; inputs
 rotate over copies exceeding 2x L2), after a warm-up call; eager launches, as a training step
 without torch.compile makes them. Each Triton result is checked bit-exact against the
@@ -91,7 +98,25 @@ def same(a, b) -> bool:
                                                     b.inv_scale.nan_to_num(7.0)))
 
 
-def bench_case(R, C, layout, bw, peak, l2) -> dict:
+def compiled_casts(recipe: str, kw: dict):
+    """``(cast, norm_then_cast, norm)``, each ``torch.compile``d: the reference cast alone, the
+    cast fused after an RMSNorm (its producer in a decoder layer), and the norm alone."""
+    from fp8boost.fp8.granular.quantize import quantize_operands
+
+    def cast(x):
+        return quantize_operands(x, E4M3, recipe, **kw)
+
+    def norm(x, w):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+    def norm_then_cast(x, w):
+        return quantize_operands(norm(x, w), E4M3, recipe, **kw)
+
+    return (torch.compile(cast, dynamic=False), torch.compile(norm_then_cast, dynamic=False),
+            torch.compile(norm, dynamic=False))
+
+
+def bench_case(R, C, layout, bw, peak, l2, compiled=True) -> dict:
     from fp8boost.fp8.granular.quantize import quantize_operands
 
     name, recipe, weight, rows, cols = layout
@@ -103,8 +128,13 @@ def bench_case(R, C, layout, bw, peak, l2) -> dict:
                    for x in xs],
         "torch_eager": [lambda x=x: quantize_operands(x, E4M3, recipe, **kw) for x in xs],
     }
+    if compiled:
+        cast, norm_then_cast, norm = compiled_casts(recipe, kw)
+        variants["compiled"] = [lambda x=x: cast(x) for x in xs]
     got, ref = variants["triton"][0](), variants["torch_eager"][0]()
     exact = all(same(g, r) for g, r in zip(got, ref))
+    if compiled:
+        exact_c = all(same(g, r) for g, r in zip(variants["compiled"][0](), ref))
     torch.cuda.synchronize()
     nbytes = min_bytes(R, C, 2, recipe, weight, rows, cols)
     floor_ms = nbytes / bw * 1e3
@@ -117,7 +147,21 @@ def bench_case(R, C, layout, bw, peak, l2) -> dict:
         res[f"{tag}_pct_hbm"] = 100 * nbytes / (ms * 1e-3) / 1e9 / peak
         res[f"{tag}_x_floor"] = ms / floor_ms
     res["speedup"] = res["torch_eager_ms"] / res["triton_ms"]
+    if compiled:
+        res["compiled_bit_exact"] = exact_c
+        res.update(fused_extra(xs, norm_then_cast, norm, nbytes - R * C * 2))
     return res
+
+
+def fused_extra(xs, norm_then_cast, norm, written: int) -> dict:
+    """The cast's extra time when fused after its producer (compiled), and the GB/s of what it
+    adds: ``written`` bytes (FP8 operands and scales; the norm reads x either way)."""
+    w = torch.ones(xs[0].shape[-1], device=xs[0].device, dtype=xs[0].dtype)
+    both = timed([lambda x=x: norm_then_cast(x, w) for x in xs])
+    alone = timed([lambda x=x: norm(x, w) for x in xs])
+    extra = max(both - alone, 1e-6)
+    return {"norm_ms": alone, "norm_cast_ms": both, "fused_extra_ms": extra,
+            "fused_extra_GBps": written / (extra * 1e-3) / 1e9}
 
 
 def main(argv=None) -> None:
@@ -125,13 +169,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="two shapes only")
     p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak (H100 SXM: 3350)")
+    p.add_argument("--no-compiled", action="store_true",
+                   help="leave out the torch.compile columns (compiled, fused into a norm)")
     args = p.parse_args(argv[1:])
     bw = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     out = []
     for (R, C) in (QUICK_SHAPES if args.quick else SHAPES):
         for layout in LAYOUTS:
-            r = bench_case(R, C, layout, bw, args.peak_gbps, l2)
+            r = bench_case(R, C, layout, bw, args.peak_gbps, l2, compiled=not args.no_compiled)
             out.append(r)
             print(json.dumps(r), flush=True)
     payload = {**env_info(argv), "copy_bandwidth_GBps": bw / 1e9, "peak_GBps": args.peak_gbps,
@@ -140,12 +186,16 @@ def main(argv=None) -> None:
     print(f"\nwrote {path}\ncopy bandwidth {bw / 1e9:.0f} GB/s (read+write), "
           f"peak {args.peak_gbps:.0f} GB/s")
     print(f"{'layout':>15} {'R':>6} {'C':>6} {'floor_us':>8} {'tri_us':>7} {'GB/s':>6} "
-          f"{'%hbm':>5} {'torch_us':>8} {'GB/s':>6} {'speedup':>7} {'exact':>5}")
+          f"{'%hbm':>5} {'torch_us':>8} {'GB/s':>6} {'speedup':>7} {'exact':>5} "
+          f"{'comp_us':>7} {'GB/s':>6} {'fused+us':>8} {'GB/s':>6}")
     for r in out:
         print(f"{r['layout']:>15} {r['R']:>6} {r['C']:>6} {r['floor_ms'] * 1e3:8.1f} "
               f"{r['triton_ms'] * 1e3:7.1f} {r['triton_GBps']:6.0f} {r['triton_pct_hbm']:5.1f} "
               f"{r['torch_eager_ms'] * 1e3:8.1f} {r['torch_eager_GBps']:6.0f} "
-              f"{r['speedup']:7.2f} {str(r['bit_exact']):>5}")
+              f"{r['speedup']:7.2f} {str(r['bit_exact']):>5} " + (
+                  f"{r['compiled_ms'] * 1e3:7.1f} {r['compiled_GBps']:6.0f} "
+                  f"{r['fused_extra_ms'] * 1e3:8.1f} {r['fused_extra_GBps']:6.0f}"
+                  if "compiled_ms" in r else ""))
 
 
 if __name__ == "__main__":
