@@ -1,14 +1,15 @@
 """The per-recipe strategy of an :class:`~fp8boost.fp8.linear.Fp8Linear`, chosen once at its
-construction (:func:`make_casts`): how its operands are scaled and which function runs its GEMMs.
+construction (:func:`make_casts`): how its operands are scaled.
 
-* :class:`TensorwiseCasts`: current scaling, one scale per tensor, the GEMMs in
-  :class:`~fp8boost.fp8.matmul.Fp8Matmul`. Under tensor parallelism an operand split over a
+* :class:`TensorwiseCasts`: current scaling, one scale per tensor (the layer's GEMMs run in
+  :class:`~fp8boost.fp8.matmul.Fp8Matmul`). Under tensor parallelism an operand split over a
   group is scaled from the whole tensor's amax (all-reduced, MAX).
 * :class:`DelayedCasts`: scales from an amax history (the layer's ``fp8_amax_history`` /
   ``fp8_scale`` buffers, bound by the layer before each forward), with the replay log that
   makes an activation recomputation cast with the scales its forward used.
-* :class:`GranularCasts`: rowwise and blockwise, whose GEMMs run in
-  :func:`~fp8boost.fp8.linear_granular.granular_forward`.
+* :class:`GranularCasts`: rowwise and blockwise, whose casts and GEMMs are
+  :func:`~fp8boost.fp8.linear_granular.granular_forward`'s; the strategy keeps their
+  tensor-parallel row groups and prepares the GEMM choice.
 
 A strategy holds the layer's resolved backend (:meth:`TensorwiseCasts.use_backend`) and its
 tensor-parallel groups; the weight's bytes come from the layer's
@@ -17,20 +18,15 @@ tensor-parallel groups; the weight's bytes come from the layer's
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from .backend_base import Fp8Backend
 from .config import GRANULAR_RECIPES, Fp8Config
-from .linear_granular import RowGroups, granular_forward, prepare_granular, row_groups
-from .matmul import Fp8Matmul
-from .prequantized import Fp8WeightTensor
+from .linear_granular import RowGroups, prepare_granular, row_groups
 from .recompute import DelayedReplayLog, compiling as _compiling, recomputing
 from .scaling import DelayedScalingState, Fp8Tensor, amax, scale_from_amax
-
-if TYPE_CHECKING:
-    from .operands import OperandSource
 
 ROLES = ("input", "weight", "grad")
 
@@ -106,14 +102,8 @@ class TensorwiseCasts:
     def remember_weight(self, wq: Fp8Tensor) -> None:
         """Delayed scaling: a forward used this (cached) weight cast."""
 
-    def forward(self, x: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], source: "OperandSource") -> torch.Tensor:
-        """The layer's ``[M, K] -> [M, N]`` GEMMs; eager layers reading one tensor share its
-        input cast (``share_input_casts``)."""
-        if _compiling() or not self.config.share_input_casts or isinstance(x, Fp8WeightTensor):
-            return Fp8Matmul.apply(x2d, weight, bias, source)
-        with source.sharing_input(x):
-            return Fp8Matmul.apply(x2d, weight, bias, source)
+    def begin_forward(self) -> None:
+        """Delayed scaling: note whether a backward (perhaps a recomputation) follows."""
 
 
 class DelayedCasts(TensorwiseCasts):
@@ -174,10 +164,9 @@ class DelayedCasts(TensorwiseCasts):
     def remember_weight(self, wq: Fp8Tensor) -> None:
         self.replay_log.remember("weight", wq)
 
-    def forward(self, x, x2d, weight, bias, source):
-        if not _compiling():  # whether a backward (perhaps a recomputation) follows: read here
+    def begin_forward(self) -> None:
+        if not _compiling():  # read here: grad mode is off inside the autograd function
             self.replay_log.active = torch.is_grad_enabled()
-        return Fp8Matmul.apply(x2d, weight, bias, source)
 
 
 class GranularCasts(TensorwiseCasts):
@@ -197,11 +186,6 @@ class GranularCasts(TensorwiseCasts):
     def set_amax_groups(self, groups: dict[str, object]) -> None:
         self.row_groups = row_groups(groups, self.config.recipe)
         self.amax_groups = {}  # no tensor-wide amax
-
-    def forward(self, x, x2d, weight, bias, source):
-        frozen = source.frozen_granular_operands(weight, self.row_groups)
-        return granular_forward(x2d, weight, bias, self.config, self.backend, frozen,
-                                self.row_groups)
 
 
 def make_casts(config: Fp8Config) -> TensorwiseCasts:

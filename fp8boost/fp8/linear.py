@@ -22,8 +22,11 @@ from .backend_base import Fp8Backend
 from .backends import get_backend
 from .casts import ROLES, TensorwiseCasts, make_casts
 from .config import Fp8Config
+from .linear_granular import granular_forward
+from .matmul import Fp8Matmul
 from .operands import OperandSource
-from .prequantized import PrequantizedWeight
+from .prequantized import Fp8WeightTensor, PrequantizedWeight
+from .recompute import compiling as _compiling
 
 
 def invalidate_weight_caches(model: nn.Module) -> None:
@@ -232,10 +235,26 @@ class Fp8Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         self.bind_delayed_buffers()  # the buffers may have been replaced since the last forward
-        y = self.casts.forward(x, x2d, self.weight, bias, self.operands)
+        y = self._gemms(x, x2d, bias)
         # A 2-D input gets the GEMM output itself, not a view of it: FSDP2 warns about modules
         # returning views (an in-place op on one would drop its pre-backward hook).
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _gemms(self, x: torch.Tensor, x2d: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[M, K] -> [M, N]``: the granular recipes' function, else :class:`Fp8Matmul`
+        (eager layers reading one tensor share its input cast: ``share_input_casts``)."""
+        casts, ops, weight = self.casts, self.operands, self.weight
+        if casts.granular:
+            frozen = ops.frozen_granular_operands(weight, casts.row_groups)
+            return granular_forward(x2d, weight, bias, self.fp8_config, casts.backend, frozen,
+                                    casts.row_groups)
+        casts.begin_forward()
+        if (_compiling() or not self.fp8_config.share_input_casts or casts.delayed
+                or isinstance(x, Fp8WeightTensor)):
+            return Fp8Matmul.apply(x2d, weight, bias, ops)
+        with ops.sharing_input(x):
+            return Fp8Matmul.apply(x2d, weight, bias, ops)
 
     def extra_repr(self) -> str:
         c = self.fp8_config
