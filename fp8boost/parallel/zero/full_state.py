@@ -15,8 +15,8 @@ The gathers go through the optimizer's public ``full_tensor`` (exact, never on t
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -24,13 +24,31 @@ from fp8boost.parallel.optimizer_surface import LOSS_SCALER_KEY
 
 from .sharding import ParamShard
 
-if TYPE_CHECKING:
-    from .master import MasterWeightOptimizer
-
 __all__ = ["MASTER_KEY", "full_state_dict", "load_full_state_dict"]
 
 #: the per-parameter state key holding the FP32 master weight (as in the checkpoint format)
 MASTER_KEY = "master_param"
+
+
+class ShardedMasters(Protocol):
+    """What these functions read of a master-weight optimizer (``MasterWeightOptimizer``
+    implements it); a protocol, so this module needs no import of ``master.py``, which imports
+    it."""
+
+    optim: torch.optim.Optimizer
+    """The inner optimizer over the FP32 master chunks."""
+    masters: Sequence[torch.Tensor]
+    """This rank's FP32 master chunk of each parameter."""
+    shards: Sequence[ParamShard]
+    """Which part of each parameter the chunk holds."""
+    loss_scaler: Optional[Any]
+    """The FP16 loss scaler, or None."""
+
+    def full_tensor(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s full tensor gathered from every rank's ``chunk``."""
+
+    def load_loss_scaler_state(self, state: Optional[Mapping]) -> None:
+        """Restore the loss scaler from its saved state (None: nothing saved)."""
 
 
 def _is_chunk_state(key: str, value, master: torch.Tensor) -> bool:
@@ -39,7 +57,7 @@ def _is_chunk_state(key: str, value, master: torch.Tensor) -> bool:
             and value.shape == master.shape)
 
 
-def full_state_dict(opt: MasterWeightOptimizer) -> dict:
+def full_state_dict(opt: ShardedMasters) -> dict:
     """torch's optimizer state dict at full parameter shapes (collective over the shard
     ranks: every rank calls it and gets the same result).
 
@@ -76,7 +94,7 @@ def _chunk_of(value: torch.Tensor, shard: ParamShard, master: torch.Tensor) -> t
     return out
 
 
-def load_full_state_dict(opt: MasterWeightOptimizer, state_dict: Mapping) -> bool:
+def load_full_state_dict(opt: ShardedMasters, state_dict: Mapping) -> bool:
     """Load a :func:`full_state_dict` (or a plain torch one) into ``opt``; returns whether
     master weights were loaded (the caller then writes them into the working parameters).
 
