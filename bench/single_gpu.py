@@ -15,6 +15,8 @@ Shapes (Llama, vocab 32000)::
     tiny    examples/presets.py's tiny, vocab 256, batch 2 x seq 256 (CPU smoke; not default)
     llama3-8b-4l  8b-4l with Llama 3's vocab 128256, batch 2 x seq 4096 (not default: the
             lm_head + loss weigh as in the real model, issue 35)
+    <shape>@b<N>  that shape at batch size N (e.g. llama3-8b-4l@b6: which batch each mode
+            fits, issue 35 item 4; an out-of-memory cell is recorded with status "oom")
 
 Modes (bench/train.py config + flags)::
 
@@ -86,6 +88,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                          vocab_size=128256, batch_size=2, seq_len=4096),
 }
 DEFAULT_SHAPES = ["1b", "7b-4l", "8b-4l"]
+_BATCH = re.compile(r"(?P<base>[a-z0-9-]+)@b(?P<batch>[1-9][0-9]*)")
+
+
+def shape_spec(name: str) -> dict[str, Any]:
+    """A shape of ``SHAPES``, or ``<shape>@b<N>``: that shape at batch size N (issue 35 item
+    4: the largest batch each mode fits, e.g. ``llama3-8b-4l@b4``)."""
+    m = _BATCH.fullmatch(name)
+    if m is None:
+        return dict(SHAPES[name])
+    return dict(SHAPES[m["base"]], batch_size=int(m["batch"]))
 _ALL = ["--fp8-min-numel", "0"]
 MODES: dict[str, tuple[str, list[str]]] = {
     "bf16_eager": ("single_bf16", []),
@@ -135,9 +147,15 @@ MODES: dict[str, tuple[str, list[str]]] = {
 DEFAULT_MODES = list(MODES)[:6]
 
 
+def _known(name: str, table: dict) -> bool:
+    """A key of ``table``; for shapes also ``<shape>@b<N>`` of a known shape."""
+    m = _BATCH.fullmatch(name) if table is SHAPES else None
+    return name in table or (m is not None and m["base"] in table)
+
+
 def _pick(value: str, table: dict, default: list[str], kind: str) -> list[str]:
     names = list(table) if value == "all" else [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [n for n in names if n not in table]
+    unknown = [n for n in names if not _known(n, table)]
     if unknown or not names:
         raise ValueError(f"unknown {kind} {unknown or value!r}; choose from {list(table)} "
                          f"(default {','.join(default)}) or 'all'")
@@ -147,7 +165,8 @@ def _pick(value: str, table: dict, default: list[str], kind: str) -> list[str]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {list(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                   help=f"of {list(SHAPES)}; <shape>@b<N>: at batch size N")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {list(MODES)}")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -170,7 +189,7 @@ def cell_argv(args: argparse.Namespace, shape: str, mode: str, output: str) -> l
     config, flags = MODES[mode]
     argv = [sys.executable, str(TRAIN), "--no-isolate", "--configs", config,
             "--device", args.device]
-    for key, value in SHAPES[shape].items():
+    for key, value in shape_spec(shape).items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     if args.profile_steps:
         flags = flags + ["--profile-steps", str(args.profile_steps)]
@@ -318,7 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torchao_missing = importlib.util.find_spec("torchao") is None
     with tempfile.TemporaryDirectory(prefix="fp8boost_single_") as tmp:
         for shape in args.shapes:
-            entry = report["shapes"].setdefault(shape, dict(SHAPES[shape], model=None, cells={}))
+            entry = report["shapes"].setdefault(shape, dict(shape_spec(shape), model=None, cells={}))
             for mode in args.modes:
                 argv_cell = cell_argv(args, shape, mode, os.path.join(tmp, f"{shape}_{mode}.json"))
                 print(f"[single_gpu] {shape} {mode}: {shown(argv_cell)}", flush=True)

@@ -191,6 +191,20 @@ def test_fused_lm_loss_flag_reaches_the_booster(sg, monkeypatch):
     assert seen == {cls: False for cls in names.values()}
 
 
+def test_shape_at_another_batch_size(sg):
+    """<shape>@b<N> (issue 35 item 4: the largest batch each mode fits): the shape's command
+    line with --batch-size N, under its own name; a bad base or batch is refused."""
+    args = sg.parse_args(["--shapes", "llama3-8b-4l@b6,tiny", "--modes", "fp8_compiled_all"])
+    assert args.shapes == ["llama3-8b-4l@b6", "tiny"]
+    targs = sg.train.parse_args(sg.cell_argv(args, "llama3-8b-4l@b6", "fp8_compiled_all",
+                                             "x.json")[2:])
+    assert (targs.batch_size, targs.seq_len, targs.vocab_size) == (6, 4096, 128256)
+    assert sg.shape_spec("llama3-8b-4l") == sg.SHAPES["llama3-8b-4l"]  # no suffix: unchanged
+    for bad in ("nope@b4", "tiny@b0", "tiny@4", "tiny@b"):
+        with pytest.raises(ValueError, match="unknown shape"):
+            sg.parse_args(["--shapes", bad])
+
+
 def test_issue35_ratios_against_torchao_with_hf_loss(sg):
     """FP8 cells get vs_torchao_compiled_hfloss when that cell was run (None when not ok);
     BF16 and torchao cells never do."""
