@@ -82,14 +82,14 @@ def setup_fsdp2(model, args, device, torchao: bool):
 
 def fp8_options(text: Optional[str]) -> dict[str, Any]:
     """``"a=1,b=False,c=kernel"`` -> ``{"a": 1, "b": False, "c": "kernel"}`` (Fp8Config fields)."""
+    from fp8boost.fp8.config import option_value  # lazy, as every fp8boost import here
+
     out: dict[str, Any] = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--fp8-options item {item!r} is not key=value")
-        lowered = value.strip().lower()
-        out[key.strip()] = (True if lowered == "true" else False if lowered == "false" else
-                            int(value) if value.strip().lstrip("-").isdigit() else value.strip())
+        out[key.strip()] = option_value(value)
     return out
 
 

@@ -337,7 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     torchao_missing = importlib.util.find_spec("torchao") is None
     with tempfile.TemporaryDirectory(prefix="fp8boost_single_") as tmp:
         for shape in args.shapes:
-            entry = report["shapes"].setdefault(shape, dict(shape_spec(shape), model=None, cells={}))
+            entry = report["shapes"].setdefault(shape, dict(shape_spec(shape), model=None,
+                                                            cells={}))
             for mode in args.modes:
                 argv_cell = cell_argv(args, shape, mode, os.path.join(tmp, f"{shape}_{mode}.json"))
                 print(f"[single_gpu] {shape} {mode}: {shown(argv_cell)}", flush=True)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
-from fp8boost.fp8.config import NAMED_RECIPES, Fp8Config
+from fp8boost.fp8.config import NAMED_RECIPES, Fp8Config, option_value
 
 import checkpointing
 import data as data_lib
@@ -335,8 +335,9 @@ def _check_plugin(args: argparse.Namespace, world_size: int) -> None:
 def fp8_options(args: argparse.Namespace) -> dict[str, Any]:
     """``--fp8-option FIELD=VALUE`` pairs as ``Fp8Config.from_recipe`` overrides.
 
-    Values are read as ``true``/``false``, an integer, a float, else kept as text; the field
-    names and values are checked by ``Fp8Config`` itself (its ``ValueError`` names the fix).
+    Values are read by ``fp8boost.fp8.config.option_value`` (bool, int, else text); the field
+    names are checked here and the values by ``Fp8Config`` itself (its ``ValueError`` names the
+    fix).
     """
     if args.fp8_option and not args.use_fp8:
         raise ValueError("--fp8-option sets a field of the FP8 recipe; add --use-fp8")
@@ -347,22 +348,10 @@ def fp8_options(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or name not in fields:
             raise ValueError(f"--fp8-option {item!r}: expected FIELD=VALUE with FIELD one of "
                              f"Fp8Config's fields ({', '.join(sorted(fields))})")
-        out[name] = _option_value(text)
+        out[name] = option_value(text)
     if out:
         Fp8Config.from_recipe(args.fp8_recipe, **out)  # the config's own checks, before any work
     return out
-
-
-def _option_value(text: str) -> Any:
-    """``true``/``false`` as bools, then int, then float, else the text itself."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _check_files_and_faults(args: argparse.Namespace, world_size: int) -> None:

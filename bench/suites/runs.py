@@ -28,6 +28,15 @@ def run_names(ctx: Ctx, arg: str) -> list[str]:
     return names
 
 
+def seed_of(ctx: Ctx) -> tuple[str, str]:
+    """The ``SEED`` knob and the part it adds to file names (seed 0 keeps the first runs'
+    names: none)."""
+    seed = ctx.values["SEED"]
+    if not seed.isdigit():
+        raise SuiteError(f"{ctx.suite.name}: SEED must be a non-negative integer, got {seed!r}")
+    return seed, "" if seed == "0" else f"_seed{seed}"
+
+
 def val_line(log: str) -> str:
     """The last validation line of a training log, cut as the scripts did."""
     found = grep(log, "val")
@@ -60,12 +69,9 @@ def convergence_1gpu(ctx: Ctx) -> list[Step]:
     tok = ctx.values.get("TOKENIZER", "")
     if tok and not re.fullmatch(r"[A-Za-z0-9_./-]+", tok):
         raise SuiteError(f"convergence-1gpu: bad TOKENIZER {tok!r}")
-    seed = ctx.values["SEED"]
-    if not seed.isdigit():
-        raise SuiteError(f"convergence-1gpu: SEED must be a non-negative integer, got {seed!r}")
+    seed, seed_part = seed_of(ctx)
     # bench/make_tokenizer.py's folder: its name goes into the run's files (.data/tok128k: _tok128k)
-    suffix = f"_{tok.rstrip('/').rsplit('/', 1)[-1]}" if tok else ""
-    suffix += "" if seed == "0" else f"_seed{seed}"  # seed 0 keeps the first runs' file names
+    suffix = (f"_{tok.rstrip('/').rsplit('/', 1)[-1]}" if tok else "") + seed_part
     steps = []
     for name in run_names(ctx, "runs"):
         base = name.removesuffix("_fp8head")
@@ -93,7 +99,8 @@ CONVERGENCE_1GPU = Suite(
     args=(("runs", "bf16,tensorwise,rowwise,blockwise"),),
     usage="runs: comma-separated recipes (bf16 = no FP8; <recipe>_fp8head adds the FP8 "
           "lm_head; rowwise_e5m2grad / rowwise_fp32scale: rowwise with e5m2 gradients / FP32 "
-          "scales); SEED: other than 0 adds _seed<SEED> to the files; TOKENIZER: a local tokenizer folder (bench/make_tokenizer.py, e.g. "
+          "scales); SEED: other than 0 adds _seed<SEED> to the files; TOKENIZER: a local "
+          "tokenizer folder (bench/make_tokenizer.py, e.g. "
           ".data/tok128k: Llama 3's vocabulary size) instead of bytes; JSONL per run -> "
           "$OUT/convergence_1gpu_<run>[_<tokenizer>].jsonl; plot with bench/plot_convergence.py")
 
@@ -137,10 +144,7 @@ MOE_FLAGS = {"fp8": F8, "fp8gwhp": F8 + " --fp8-recipe rowwise_with_gw_hp"}
 
 def convergence_moe(ctx: Ctx) -> list[Step]:
     """A 125M-class Mixtral, each decoder block compiled; fp8gwhp keeps weight gradients BF16."""
-    seed = ctx.values["SEED"]
-    if not seed.isdigit():
-        raise SuiteError(f"convergence-moe: SEED must be a non-negative integer, got {seed!r}")
-    suffix = "" if seed == "0" else f"_seed{seed}"  # seed 0 keeps the first runs' file names
+    seed, suffix = seed_of(ctx)
     steps = []
     for name in run_names(ctx, "runs"):
         flags = MOE_FLAGS.get(name, "")

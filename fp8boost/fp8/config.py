@@ -349,6 +349,21 @@ _DEFAULTS: Mapping[str, Any] = MappingProxyType(
 """Each Fp8Config field's default (none has a default factory)."""
 
 
+def option_value(text: str) -> Union[bool, int, str]:
+    """A field value written on a command line (``--fp8-option margin=1``): ``true`` /
+    ``false`` as a bool, an integer as an int, else the text (every field that takes a value
+    from text is a bool, an int or a name; ``Fp8Config`` checks the result).
+
+    Example:
+        >>> option_value("False"), option_value("-2"), option_value("hybrid")
+        (False, -2, 'hybrid')
+    """
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"Fp8Config.{name}={value!r} is not supported; use one of {choices}")

@@ -18,7 +18,7 @@ recipe's :class:`~fp8boost.fp8.casts.TensorwiseCasts`) are the source's business
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -126,8 +126,3 @@ class Fp8Matmul(torch.autograd.Function):
             db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
         return dx, dw, db, None
 
-
-def fp8_matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               ops: Fp8Operands) -> torch.Tensor:
-    """:class:`Fp8Matmul` as a function (``[M, K] x [N, K] -> [M, N]``)."""
-    return Fp8Matmul.apply(x2d, weight, bias, ops)
