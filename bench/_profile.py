@@ -25,7 +25,10 @@ CATEGORIES: list[tuple[str, str]] = [
     ("gemm_bf16", r"nvjet|xmma_gemm|sm90_.*gemm|cutlass|gemm|splitk"),
     ("attention", r"flash|fmha|attention|sdpa|compute_dot_do_o"),
     ("dtype_copy", r"direct_copy_kernel|bfloat16_copy_kernel|float_copy_kernel"),
-    ("fp8_cast", r"^_(cast|amax|row_amax|cast_rows|quantize_rows|transpose|dequant)\w*_kernel"),
+    # the granular casts (``fp8boost/fp8/kernels/granular_cast.py``: ``_rows_kernel``,
+    # ``_tile_cast_kernel``, ``_amax_rc_kernel``) count here too, not under "other"
+    ("fp8_cast",
+     r"^_(cast|amax|row_amax|cast_rows|quantize_rows|transpose|dequant|rows|tile_cast)\w*_kernel"),
     ("optimizer", r"adam|fusedoptimizer|lpnorm|multi_tensor"),
     ("loss_softmax", r"softmax|cross_entropy|nll_loss"),
     ("inductor_fused", r"^triton_"),

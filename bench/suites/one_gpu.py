@@ -103,8 +103,9 @@ GRANULAR_KERNELS_GPU = Suite(
              after=log_report("tests", KERNELS_LOG, [(r"^(FAILED|ERROR)", False, 200)],
                               with_rc=False), note=report_note("tests", [("^(FAILED|ERROR)",
                                                                           False, 200)])),
-        # --quick: 2 shapes x 5 layouts, each compiled three ways (cast, norm + cast, norm)
-        Step("python3 bench/cast_granular.py --quick", timeout=300, tail=15),
+        # --quick: 2 shapes x 5 layouts, each compiled three ways (cast, norm + cast, norm);
+        # --graph: kernel time (CUDA graph replays), as eager launches measure the host
+        Step("python3 bench/cast_granular.py --quick --graph", timeout=300, tail=15),
         # the JSON name says h100: the one GPU these rows were first measured on (BENCHMARKS 4h)
         Step("python3 bench/single_gpu.py --shapes 8b-4l --modes bf16_eager,fp8_eager_all,"
              "fp8_rowwise_eager,fp8_blockwise_eager --output "
