@@ -214,6 +214,16 @@ def fused_extra(xs, norm_then_cast, norm, written: int, graph: bool = False) -> 
             "fused_extra_GBps": written / (extra * 1e-3) / 1e9}
 
 
+def tuning_timings() -> dict:
+    """Per cast kernel and size class: each candidate config's timed ms (the pick is the
+    fastest), as the kernels' tuning caches measured them in this process."""
+    from fp8boost.fp8.kernels import granular_cast as gc
+
+    return {cache.name: {str(key): [(str(cfg), ms) for cfg, ms in results]
+                         for key, results in cache.timings.items()}
+            for cache in (gc._ROWS_CACHE, gc._RC_CACHE, gc._TILE_CACHE)}
+
+
 def main(argv=None) -> None:
     argv = sys.argv if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -235,7 +245,7 @@ def main(argv=None) -> None:
             out.append(r)
             print(json.dumps(r), flush=True)
     payload = {**env_info(argv), "copy_bandwidth_GBps": bw / 1e9, "peak_GBps": args.peak_gbps,
-               "l2_bytes": l2, "rows": out}
+               "l2_bytes": l2, "rows": out, "tuning": tuning_timings()}
     path = write_json("cast_granular", payload)
     print(f"\nwrote {path}\ncopy bandwidth {bw / 1e9:.0f} GB/s (read+write), "
           f"peak {args.peak_gbps:.0f} GB/s")
