@@ -176,10 +176,7 @@ class Fp8Conv1D(Fp8Linear):
         new.weight = conv.weight
         new.bias = conv.bias
         new.nx, new.nf = k, n  # HF code (e.g. head pruning) reads these
-        if config.recipe == "delayed":
-            dev = conv.weight.device
-            new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=dev)
-            new.fp8_scale = torch.ones_like(new.fp8_scale, device=dev)
+        new.delayed_buffers_on(conv.weight.device)
         new.train(conv.training)
         new.resolve_backend()
         return new
@@ -189,7 +186,7 @@ class Fp8Conv1D(Fp8Linear):
             raise ValueError(f"Fp8Conv1D expected last dim {self.in_features}, got "
                              f"{tuple(x.shape)}")
         backend = self.resolve_backend(x.device)
-        self.bind_delayed_buffers()  # delayed scaling: from_conv1d replaced the buffers
+        self.bind_delayed_buffers()  # the buffers may have been replaced since (.to())
         weight = self.weight
         if isinstance(weight, Fp8WeightTensor):
             weight = dequantize_weight(weight)

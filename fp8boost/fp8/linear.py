@@ -101,6 +101,15 @@ class Fp8Linear(nn.Linear):
         if self.casts.delayed:
             self.casts.bind(self.fp8_amax_history, self.fp8_scale)
 
+    def delayed_buffers_on(self, device: torch.device) -> None:
+        """Delayed scaling: fresh (zero history, unit scale) amax buffers on ``device``, for a
+        layer built on the meta device around existing Parameters (``from_linear``,
+        ``Fp8Conv1D.from_conv1d``); other recipes keep no buffers."""
+        if self.casts.delayed:
+            self.fp8_amax_history = torch.zeros_like(self.fp8_amax_history, device=device)
+            self.fp8_scale = torch.ones_like(self.fp8_scale, device=device)
+            self.bind_delayed_buffers()
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Optional[Fp8Config] = None) -> "Fp8Linear":
         """Build an Fp8Linear that shares ``linear``'s Parameter objects (no copy).
@@ -114,9 +123,7 @@ class Fp8Linear(nn.Linear):
                       config=config if config is not None else Fp8Config())
         new.weight = linear.weight
         new.bias = linear.bias
-        if config is not None and config.recipe == "delayed":
-            new.fp8_amax_history = torch.zeros_like(new.fp8_amax_history, device=linear.weight.device)
-            new.fp8_scale = torch.ones_like(new.fp8_scale, device=linear.weight.device)
+        new.delayed_buffers_on(linear.weight.device)
         new.train(linear.training)
         new.resolve_backend()
         return new
