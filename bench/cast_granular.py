@@ -210,6 +210,17 @@ def fused_extra(xs, norm_then_cast, norm, written: int, graph: bool = False) -> 
             "fused_extra_GBps": written / (extra * 1e-3) / 1e9}
 
 
+def parse_shapes(text: str) -> list:
+    """``"1024x128256,8192x4096"`` as ``[(1024, 128256), (8192, 4096)]``."""
+    try:
+        shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise SystemExit(f"--shapes: expected RxC[,RxC...], got {text!r}")
+    return shapes
+
+
 def tuning_timings() -> dict:
     """Per cast kernel and size class: each candidate config's timed ms (the pick is the
     fastest), as the kernels' tuning caches measured them in this process."""
@@ -227,6 +238,9 @@ def main(argv=None) -> None:
     p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak (H100 SXM: 3350)")
     p.add_argument("--no-compiled", action="store_true",
                    help="leave out the torch.compile columns (compiled, fused into a norm)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated RxC shapes instead of the default ones, e.g. "
+                        "1024x128256 (an lm_head chunk's logit gradient)")
     p.add_argument("--graph", action="store_true",
                    help="time the Triton and compiled casts as CUDA graph replays (kernel time "
                         "without Python's launch cost; the torch eager column stays eager)")
@@ -234,7 +248,8 @@ def main(argv=None) -> None:
     bw = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     out = []
-    for (R, C) in (QUICK_SHAPES if args.quick else SHAPES):
+    shapes = parse_shapes(args.shapes) if args.shapes else QUICK_SHAPES if args.quick else SHAPES
+    for (R, C) in shapes:
         for layout in LAYOUTS:
             r = bench_case(R, C, layout, bw, args.peak_gbps, l2, compiled=not args.no_compiled,
                            graph=args.graph)

@@ -151,6 +151,20 @@ class TestInterpreter:
                     got = gc.rows_only(x, dtype, margin=margin, power_of_2=p2, config=cfg)
                     assert_same(got, ref, f"one pass {shape} {cfg} {dtype} {margin} {p2}")
 
+    def test_rows_over_tiles(self, gc):
+        # The wide-rows path (an amax pass, then a cast pass over tiles): partial tiles in both
+        # directions, several column tiles per row (their atomic maxima meet), a NaN, strides.
+        x = make_input((200, 300), seed=8)
+        for xin in (x, x.t().contiguous().t()):
+            for dtype, margin, p2 in SCALINGS:
+                ref, _ = Q.quantize_operands(xin, dtype, "rowwise", weight=False,
+                                             margin=margin, power_of_2=p2)
+                for cfg in (("tiles", 32, 64, 1), ("tiles", 16, 128, 1)):
+                    got = gc.rows_only(xin, dtype, margin=margin, power_of_2=p2, config=cfg)
+                    assert_same(got, ref, f"tiles {cfg} {dtype} {margin} {p2}")
+        assert gc.WIDE_ROWS_TILE_CONFIGS[0] in gc.rows_configs(128256)
+        assert not any(cfg[0] == "tiles" for cfg in gc.rows_configs(4096))
+
     def test_inf_and_extremes(self, gc):
         # float32: the interpreter flushes bfloat16 subnormals to zero when widening them (the
         # GPU does not; test_cuda_path_matches_reference covers bfloat16 extremes).
@@ -248,7 +262,8 @@ def _every_config_matches(x):
     x[3, 5] = float("nan")
     x[100, 7] *= 1000
     ref_rows, ref_cols = Q.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
-    for cfg in gc.rows_configs(x.shape[1]):
+    # the wide-rows tile configs too, whatever x's width: they are right for any width
+    for cfg in dict.fromkeys(gc.rows_configs(x.shape[1]) + gc.WIDE_ROWS_TILE_CONFIGS):
         assert_same(gc.rows_only(x, E4M3, config=cfg), ref_rows, f"rows {cfg}")
     saved = gc.ROWWISE_TILE_CONFIGS, gc.BLOCK_WARPS, gc.BLOCK_WARPS_SMALL
     try:

@@ -20,7 +20,9 @@ blockwise tiles (+ ^T)      1      one program per ``b x b`` tile: its ``b`` row
 blockwise weight (+ ^T)     1      one program per ``b x b`` block: one amax, data, data^T
 rowwise rows only           1-2    one program per row block: the whole rows in registers (C up
                                    to 8192), or looping over C twice (amax, then cast; the second
-                                   sweep re-reads the block, mostly from L2); timed per size class
+                                   sweep re-reads the block, mostly from L2), or for wider rows
+                                   an amax pass and a cast pass over tiles (every SM busy with
+                                   few rows); timed per size class
 rowwise cols (+ rows)       2      amax pass (row and column amaxes at once, integer atomic max),
                                    then one cast pass writing data and data^T
 ==========================  =====  ==============================================================
@@ -70,6 +72,12 @@ ROWS_LOOP_CONFIGS = ((16, 512, 8), (8, 512, 4), (4, 1024, 4), (8, 256, 4))
 # is 128 values a thread).
 ONE_PASS_MAX_C = 8192
 ONE_PASS_MAX_TILE = 16384
+# Rows wider than ONE_PASS_MAX_C with few of them (an lm_head's logit gradient: 128256 wide,
+# ~1024 rows a chunk) leave most SMs idle under the rows kernel's one program per row block
+# (64-256 programs). These candidates split the rows over tiles instead: an amax pass (integer
+# atomic max into per-row maxima, as the rows + columns^T path does), then a cast pass.
+# ("tiles", BLOCK_R, BLOCK_C, num_warps); offered, and timed, for rows wider than 8192.
+WIDE_ROWS_TILE_CONFIGS = (("tiles", 32, 512, 4), ("tiles", 16, 1024, 8), ("tiles", 64, 256, 8))
 ROWS_TUNE_MIN_NUMEL = 1 << 24  # smaller inputs take the first config untimed (compiles cost)
 _ROWS_CACHE = ConfigCache("rows-cast")
 _RC_CACHE = ConfigCache("rows-cols-cast")
@@ -242,7 +250,8 @@ def _rows_kernel(x_ptr, q_ptr, inv_ptr, R, C, stride_r, stride_c, fmax, target,
 
 def rows_configs(c: int) -> tuple:
     """The rows-only kernel's candidates for rows of ``c`` elements: the whole row in registers
-    (one read of x) first where it fits, then the two-sweep loops.
+    (one read of x) first where it fits, then the two-sweep loops, then for rows wider than
+    :data:`ONE_PASS_MAX_C` the two-kernel tiled pass (:data:`WIDE_ROWS_TILE_CONFIGS`).
 
     Example:
         >>> rows_configs(4096)[0]
@@ -251,7 +260,8 @@ def rows_configs(c: int) -> tuple:
     width = triton.next_power_of_2(c)
     one_pass = tuple(cfg for cfg in ((2, width, 8), (1, width, 4), (4, width, 8), (1, width, 8))
                      if width <= ONE_PASS_MAX_C and cfg[0] * width <= ONE_PASS_MAX_TILE)
-    return one_pass + ROWS_LOOP_CONFIGS
+    wide = WIDE_ROWS_TILE_CONFIGS if width > ONE_PASS_MAX_C else ()
+    return one_pass + ROWS_LOOP_CONFIGS + wide
 
 
 def supports(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, block: int = 128,
@@ -316,28 +326,42 @@ def _launch_tiles(x, dtype, mode, rows, cols, br, bc, warps, kw, ramax=None, cam
 def rows_only(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_2: bool = False,
               config: Optional[tuple] = None) -> GranularFp8:
     """Rowwise rows of ``x`` (one scale per row) by the rows-only kernel: ``config``
-    ``(BLOCK_R, BLOCK_C, num_warps)``, or None for the one timed once per size class (the
-    first candidate of :func:`rows_configs` below ``ROWS_TUNE_MIN_NUMEL`` elements; the
-    interpreter's small tile under ``TRITON_INTERPRET=1``). Every config gives the same bytes."""
+    ``(BLOCK_R, BLOCK_C, num_warps)`` or ``("tiles", BLOCK_R, BLOCK_C, num_warps)`` (an amax
+    pass and a cast pass over tiles, for wide rows), or None for the one timed once per size
+    class (the first candidate of :func:`rows_configs` below ``ROWS_TUNE_MIN_NUMEL`` elements;
+    the interpreter's small tile under ``TRITON_INTERPRET=1``). Every config gives the same
+    bytes."""
     r, c = x.shape
     dev = x.device
     fmax = fp8_max(dtype)
     common = _common(x, dtype, margin, power_of_2)
-    data = torch.empty((r, c), dtype=dtype, device=dev)
-    inv = torch.empty((r, 1), dtype=torch.float32, device=dev)
+    out = []
 
     def run(cfg):
+        if cfg[0] == "tiles":
+            _, br, bc, warps = cfg
+            ramax = torch.zeros(r, dtype=torch.int32, device=dev)
+            _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
+                x, ramax, ramax, r, c, x.stride(0), x.stride(1), ROWS=True, COLS=False,
+                IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+            out[:] = _launch_tiles(x, dtype, 2, True, False, br, bc, warps,
+                                   {"margin": margin, "power_of_2": power_of_2}, ramax)[:2]
+            return
         br, bc, warps = cfg
+        data = torch.empty((r, c), dtype=dtype, device=dev)
+        inv = torch.empty((r, 1), dtype=torch.float32, device=dev)
         _rows_kernel[(triton.cdiv(r, br),)](
             x, data.view(torch.uint8), inv, r, c, x.stride(0), x.stride(1), fmax,
             fmax / (2.0 ** margin), BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
             ONE_PASS=bc >= c, **common)
+        out[:] = data, inv
 
     if config is not None:
         run(config)
     else:
         _run_tuned(run, _ROWS_CACHE, (bucket(r), bucket(c), x.dtype, dev.index), rows_configs(c),
                    r * c, _INTERP_TILE)
+    data, inv = out
     return GranularFp8(data, inv, "row")
 
 
