@@ -162,8 +162,50 @@ class TestInterpreter:
                 for cfg in (("tiles", 32, 64, 1), ("tiles", 16, 128, 1)):
                     got = gc.rows_only(xin, dtype, margin=margin, power_of_2=p2, config=cfg)
                     assert_same(got, ref, f"tiles {cfg} {dtype} {margin} {p2}")
-        assert gc.WIDE_ROWS_TILE_CONFIGS[0] in gc.rows_configs(128256)
+        from fp8boost.fp8.kernels.granular_configs import WIDE_ROWS_TILE_CONFIGS
+
+        assert WIDE_ROWS_TILE_CONFIGS[0] in gc.rows_configs(128256)
         assert not any(cfg[0] == "tiles" for cfg in gc.rows_configs(4096))
+
+    def test_colmax_split_and_row_blocks(self, gc):
+        # Candidates given explicitly: rowwise rows cast with the column amaxes by persistent
+        # programs (several row blocks a program; without rows, only the amaxes), then data^T;
+        # blockwise activation tiles with data^T as two launches (re-read or register
+        # transpose), and without data^T with fewer rows a program. float32 input (the
+        # transposed re-read), a strided view, NaN rows and columns, partial tiles.
+        x = make_input((70, 150), seed=9)
+        for xin, scalings in ((x, SCALINGS[:2]), (x.float().t().contiguous().t(), SCALINGS[2:])):
+            for dtype, margin, p2 in scalings:
+                kw = dict(margin=margin, power_of_2=p2)
+                what = f"{xin.dtype} {dtype} {margin} {p2}"
+                ref = Q.quantize_operands(xin, dtype, "rowwise", weight=False, cols=True, **kw)
+                for cfg in (("colmax", 2, 1, 2, 32, 64, 1), ("colmax", 1, 1, 1, 64, 32, 1)):
+                    for rows in (True, False):
+                        got = gc.quantize_operands(xin, dtype, "rowwise", weight=False,
+                                                   rows=rows, cols=True, config=cfg, **kw)
+                        assert (got[0] is None) == (not rows)
+                        if rows:
+                            assert_same(got[0], ref[0], f"{cfg} rows {what}")
+                        assert_same(got[1], ref[1], f"{cfg} cols rows={rows} {what}")
+                for rows in (True, False):
+                    blk = dict(weight=False, rows=rows, cols=True, block=32)
+                    ref = Q.quantize_operands(xin, dtype, "blockwise", **blk, **kw)
+                    for cfg in (("split", 16, 1, 16, 1, True), ("split", 8, 1, 32, 1, False)):
+                        got = gc.quantize_operands(xin, dtype, "blockwise", config=cfg, **blk,
+                                                   **kw)
+                        for g, r in zip(got, ref):
+                            assert (g is None) == (r is None)
+                            if r is not None:
+                                assert_same(g, r, f"{cfg} rows={rows} {what}")
+                ref, _ = Q.quantize_operands(xin, dtype, "blockwise", weight=False, block=64, **kw)
+                got, _ = gc.quantize_operands(xin, dtype, "blockwise", weight=False, block=64,
+                                              config=("rows", 16, 1), **kw)
+                assert_same(got, ref, f"rows tiles {what}")
+        assert ("split", 64, 8, 64, 4, True) in gc.tile_configs(128, False, True, True)
+        assert not any(isinstance(c, tuple) for c in gc.tile_configs(128, True, True, True))
+        assert gc.rows_cols_configs(4096)[-1][0] == "colmax"
+        assert (1, 16384, 16) in gc.rows_configs(14336)
+        assert not any(c[0] == "colmax" for c in gc.rows_cols_configs(20000))
 
     def test_inf_and_extremes(self, gc):
         # float32: the interpreter flushes bfloat16 subnormals to zero when widening them (the
@@ -244,7 +286,6 @@ def test_cuda_path_matches_reference():
                 for g, r, side in zip(got, ref, ("rows", "cols")):
                     assert_same(g, r, f"cuda {shape} {layout} {side} {dtype} {margin} {p2}")
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    _every_config_matches(x[:1000, :3000].clone() * 3)
     for layout in LAYOUTS:
         recipe, weight, rows, cols = layout
         kw = dict(weight=weight, rows=rows, cols=cols)
@@ -254,37 +295,72 @@ def test_cuda_path_matches_reference():
               f"({t_ref / t_tri:.1f}x)")
 
 
-def _every_config_matches(x):
-    """Each config the kernels may be tuned to gives the reference's bytes (the timed pick is
-    whichever is fastest on the machine, so every candidate must be right)."""
+def _candidate_inputs():
+    """A 2048 x 4096 input, aligned as the 8192 x 4096 one that test_cuda_path_matches_reference
+    tunes on (so Triton reuses the kernels compiled there: compiles are most of this file's
+    GPU time), and a 1000 x 3000 one with partial tiles; each with a NaN and an outlier."""
+    out = []
+    for shape in ((2048, 4096), (1000, 3000)):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+        x[3, 5] = float("nan")
+        x[100, 7] *= 1000
+        out.append(x)
+    return out
+
+
+def _first_of_each_kind(configs):
+    """The first config of each kind (plain tuples/ints, and each ``("name", ...)`` family)."""
+    seen = {}
+    for cfg in configs:
+        seen.setdefault(cfg[0] if isinstance(cfg, tuple) and isinstance(cfg[0], str)
+                        else "plain", cfg)
+    return tuple(seen.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_rowwise_candidate_matches():
+    """Each config the rowwise kernels may be tuned to gives the reference's bytes (the timed
+    pick is whichever is fastest on the machine, so every candidate must be right): every
+    config on the aligned input, the first of each kind on the partial-tile one."""
+    from fp8boost.fp8.kernels import granular_cast as gc
+    from fp8boost.fp8.kernels.granular_configs import ROWS_LOOP_CONFIGS, WIDE_ROWS_TILE_CONFIGS
+
+    for i, x in enumerate(_candidate_inputs()):
+        pick = (lambda cfgs: cfgs) if i == 0 else _first_of_each_kind
+        ref_rows, ref_cols = Q.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
+        # the wide-rows tile configs too, whatever x's width: they are right for any width
+        rows_cfgs = tuple(dict.fromkeys(gc.rows_configs(x.shape[1]) + WIDE_ROWS_TILE_CONFIGS))
+        for cfg in dict.fromkeys(pick(rows_cfgs) + ROWS_LOOP_CONFIGS[:1]):  # + a two-sweep one
+            assert_same(gc.rows_only(x, E4M3, config=cfg), ref_rows, f"rows {cfg}")
+        configs = gc.rows_cols_configs(x.shape[1])
+        for cfg in pick(configs):
+            # without rows: the first tile config and every colmax one (other code paths)
+            for rows in (True, False) if cfg == configs[0] or cfg[0] == "colmax" else (True,):
+                got = gc.quantize_operands(x, E4M3, "rowwise", weight=False, rows=rows,
+                                           cols=True, config=cfg)
+                assert (got[0] is None) == (not rows)
+                for g, r, side in zip(got, (ref_rows, ref_cols), ("rows", "cols")):
+                    if g is not None:
+                        assert_same(g, r, f"rows+cols {tuple(x.shape)} {cfg} {side}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_blockwise_candidate_matches():
+    """As above for the blockwise candidates, at blocks 128 and 64."""
     from fp8boost.fp8.kernels import granular_cast as gc
 
-    x[3, 5] = float("nan")
-    x[100, 7] *= 1000
-    ref_rows, ref_cols = Q.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
-    # the wide-rows tile configs too, whatever x's width: they are right for any width
-    for cfg in dict.fromkeys(gc.rows_configs(x.shape[1]) + gc.WIDE_ROWS_TILE_CONFIGS):
-        assert_same(gc.rows_only(x, E4M3, config=cfg), ref_rows, f"rows {cfg}")
-    saved = gc.ROWWISE_TILE_CONFIGS, gc.BLOCK_WARPS, gc.BLOCK_WARPS_SMALL
-    try:
-        for cfg in saved[0]:
-            gc.ROWWISE_TILE_CONFIGS = (cfg,)  # one candidate: taken untimed
-            gc._RC_CACHE.best.clear()
-            got = gc.quantize_operands(x, E4M3, "rowwise", weight=False, cols=True)
-            for g, r, side in zip(got, (ref_rows, ref_cols), ("rows", "cols")):
-                assert_same(g, r, f"rows+cols {cfg} {side}")
-        for weight in (False, True):
+    for i, x in enumerate(_candidate_inputs()):
+        pick = (lambda cfgs: cfgs) if i == 0 else _first_of_each_kind
+        for weight, rows, cols in ((False, True, True), (True, True, True), (False, True, False),
+                                   (True, True, False), (False, False, True)):
             for block in (128, 64):
-                ref = Q.quantize_operands(x, E4M3, "blockwise", weight=weight, cols=True,
-                                          block=block)
-                for warps in saved[1] if block >= 128 else saved[2]:
-                    gc.BLOCK_WARPS = gc.BLOCK_WARPS_SMALL = (warps,)
-                    gc._TILE_CACHE.best.clear()
-                    got = gc.quantize_operands(x, E4M3, "blockwise", weight=weight, cols=True,
-                                               block=block)
+                kw = dict(weight=weight, rows=rows, cols=cols, block=block)
+                ref = Q.quantize_operands(x, E4M3, "blockwise", **kw)
+                for cfg in pick(gc.tile_configs(block, weight, rows, cols)):
+                    got = gc.quantize_operands(x, E4M3, "blockwise", config=cfg, **kw)
                     for g, r in zip(got, ref):
-                        assert_same(g, r, f"blockwise weight={weight} b={block} w={warps}")
-    finally:
-        gc.ROWWISE_TILE_CONFIGS, gc.BLOCK_WARPS, gc.BLOCK_WARPS_SMALL = saved
-        gc._RC_CACHE.best.clear()
-        gc._TILE_CACHE.best.clear()
+                        assert (g is None) == (r is None)
+                        if r is not None:
+                            assert_same(g, r, f"blockwise {tuple(x.shape)} {kw} {cfg}")

@@ -261,3 +261,43 @@ def _pick_in_thread(cache, run, timeout: float):
     worker.start()
     worker.join(timeout=timeout)
     return None if worker.is_alive() else result[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_time_leaves_out_the_host():
+    # A candidate whose host side is slow (0.3 ms of Python per call) and whose GPU work is
+    # tiny: do_bench's wall time sees the host's time, the device timer must not; a candidate
+    # with real GPU work (a 1 GiB copy, ~0.5 ms) is still timed at its GPU cost. The device
+    # timer needs the host to queue a round (DEVICE_TIME_RUNS calls, 3 ms here) within the GPU
+    # sleep (~10 ms): the first GPU run used 1 ms a call, 10 ms a round, and measured 0.13 ms.
+    import time
+
+    x = torch.ones(1024, device="cuda")
+    big = torch.empty(256 * 1024 * 1024, device="cuda")
+    dst = torch.empty_like(big)
+
+    def slow_host():
+        time.sleep(0.0003)
+        x.add_(1)
+
+    assert tuning._time_ms(slow_host) > 0.25
+    assert tuning._time_device_ms(slow_host) < 0.05
+    wall = tuning._time_ms(lambda: dst.copy_(big))
+    dev = tuning._time_device_ms(lambda: dst.copy_(big))
+    assert 0.7 < dev / wall < 1.3, (dev, wall)
+
+
+def test_a_device_time_cache_times_with_the_device_timer(timer, monkeypatch):
+    # device_time=True ranks by _time_device_ms; the default cache keeps do_bench's _time_ms.
+    class DeviceTimer(FakeTimer):  # the GPU's own times rank A first; MS ranks B first
+        def __call__(self, fn):
+            self.calls += 1
+            fn()
+            return {A: 1.0, B: 3.0}[self.launched[-1]]
+
+    device_timer = DeviceTimer()
+    monkeypatch.setattr(tuning, "_time_device_ms", device_timer)
+    assert tuning.ConfigCache("dev", device_time=True).pick(KEY, [A, B], device_timer.run) == A
+    assert tuning.ConfigCache("wall").pick(KEY, [A, B], timer.run) == B
+    assert (device_timer.calls, timer.calls) == (2, 2)

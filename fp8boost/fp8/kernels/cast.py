@@ -105,6 +105,34 @@ def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+              MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even. Public:
+    # the rowwise/blockwise and MoE cast kernels share it.
+    y = x * scale
+    y = tl.where(y > fmax, fmax, y)
+    y = tl.where(y < -fmax, -fmax, y)
+    if EMULATE:
+        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+    q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
+    if EMULATE:  # the interpreter makes NaN finite: write torch's NaN byte, 0x7F with y's sign
+        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        q = tl.where(y != y, sign | 0x7F, q)
+    return q
+
+
+@triton.jit
+def tile_offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                 IDX64: tl.constexpr):
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    if IDX64:  # >= 2**31 elements: int32 offsets would wrap
+        offs_r = offs_r.to(tl.int64)
+        offs_c = offs_c.to(tl.int64)
+    return offs_r, offs_c
+
+
+@triton.jit
 def _to_fp8(x, scale, fp8_max_val, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr,
             MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     # x (FP32) * scale, saturated to +-max (NaN passes), rounded to nearest even.

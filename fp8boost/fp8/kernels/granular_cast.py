@@ -12,20 +12,26 @@ with zeros, which is what the reference's zero padding does to a partial tile's 
 Reads of ``x`` (DRAM; a re-read of a tile the same program just loaded is L1/L2-hot):
 
 ==========================  =====  ==============================================================
-layout                      reads  how
+layout                      reads  how (the candidates, timed per size class: granular_configs)
 ==========================  =====  ==============================================================
-blockwise tiles (+ ^T)      1      one program per ``b x b`` tile: its ``b`` row amaxes and ``b``
+blockwise tiles (+ ^T)      1-2    one program per ``b x b`` tile: its ``b`` row amaxes and ``b``
                                    column amaxes, the row-tiled bytes and the transposed
-                                   column-tiled bytes, both sets of scales
+                                   column-tiled bytes, both sets of scales; or ("split") the
+                                   row tiles, then the column tiles of data^T (two reads, two
+                                   simpler kernels; the faster one on an H200); without ^T,
+                                   ``BLOCK_R x b`` a program ("rows")
 blockwise weight (+ ^T)     1      one program per ``b x b`` block: one amax, data, data^T
 rowwise rows only           1-2    one program per row block: the whole rows in registers (C up
-                                   to 8192), or looping over C twice (amax, then cast; the second
-                                   sweep re-reads the block, mostly from L2), or for wider rows
-                                   an amax pass and a cast pass over tiles (every SM busy with
-                                   few rows); timed per size class
+                                   to 16384), or looping over C twice (amax, then cast; the
+                                   second sweep re-reads the block, mostly from L2), or for wider
+                                   rows an amax pass and a cast pass over tiles ("tiles")
 rowwise cols (+ rows)       2      amax pass (row and column amaxes at once, integer atomic max),
-                                   then one cast pass writing data and data^T
+                                   then one cast pass writing data and data^T; or ("colmax") the
+                                   rows cast taking column amaxes (granular_colmax), then data^T
 ==========================  =====  ==============================================================
+
+The picks are timed by GPU time alone (``ConfigCache(device_time=True)``): the split and colmax
+candidates make more launches, whose host cost a training step hides behind the GPU's work.
 
 A float32 input re-reads its tile in transposed order for the transposed copy (as
 ``kernels.cast`` does, ``T_RELOAD``: Triton 3.6 miscompiled the register transpose of that case);
@@ -47,8 +53,10 @@ import triton.language as tl
 
 from ..granular.operand import GranularFp8
 from ..scaling import FP8_DTYPES, fp8_max
-from .cast import abs_bits, round_to_fp8_grid, tl_scale_from_amax
-from .tuning import ConfigCache, bucket, interpreting
+from .cast import abs_bits, fp8_bytes, tile_offsets, tl_scale_from_amax
+from .granular_configs import ROWS_TUNE_MIN_NUMEL, rows_cols_configs, rows_configs, tile_configs
+from .granular_colmax import rows_colmax_kernel
+from .tuning import ConfigCache, bucket, interpreting, num_sms
 
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5})
@@ -56,60 +64,10 @@ TL_DTYPES = MappingProxyType({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e
 FP8_GRID = MappingProxyType({torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)})
 # Power-of-2 scales with a larger margin can be subnormal (fp8_max / 2**7 / FP32 max < 2**-126).
 MAX_POW2_MARGIN = 6
-# (BLOCK_R, BLOCK_C, num_warps) of the rowwise rows + columns^T kernels (amax pass and cast
-# pass), timed once per size class on the GPU; the first is the untimed default.
-ROWWISE_TILE_CONFIGS = ((64, 128, 8), (32, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 8),
-                        (32, 256, 8), (64, 256, 8))
-# num_warps of the blockwise tile kernel (one program per block x block tile), timed likewise;
-# blocks under 128 start from 4.
-BLOCK_WARPS = (8, 4, 16, 2)
-BLOCK_WARPS_SMALL = (4, 2, 8)
-# (BLOCK_R, BLOCK_C, num_warps) of the rows-only kernel, timed once per size class on the GPU.
-# The second sweep over a row block should hit L2: fewer rows per program keep the blocks in
-# flight small (16 x 4096 BF16 rows = 128 KiB a program).
-ROWS_LOOP_CONFIGS = ((16, 512, 8), (8, 512, 4), (4, 1024, 4), (8, 256, 4))
-# Whole rows in registers up to 8192 elements (32 KiB of FP32 a row; 4 rows with 8 warps
-# is 128 values a thread).
-ONE_PASS_MAX_C = 8192
-ONE_PASS_MAX_TILE = 16384
-# Rows wider than ONE_PASS_MAX_C with few of them (an lm_head's logit gradient: 128256 wide,
-# ~1024 rows a chunk) leave most SMs idle under the rows kernel's one program per row block
-# (64-256 programs). These candidates split the rows over tiles instead: an amax pass (integer
-# atomic max into per-row maxima, as the rows + columns^T path does), then a cast pass.
-# ("tiles", BLOCK_R, BLOCK_C, num_warps); offered, and timed, for rows wider than 8192.
-WIDE_ROWS_TILE_CONFIGS = (("tiles", 32, 512, 4), ("tiles", 16, 1024, 8), ("tiles", 64, 256, 8))
-ROWS_TUNE_MIN_NUMEL = 1 << 24  # smaller inputs take the first config untimed (compiles cost)
-_ROWS_CACHE = ConfigCache("rows-cast")
-_RC_CACHE = ConfigCache("rows-cols-cast")
-_TILE_CACHE = ConfigCache("tile-cast")
+_ROWS_CACHE = ConfigCache("rows-cast-gpu", device_time=True)
+_RC_CACHE = ConfigCache("rows-cols-cast-gpu", device_time=True)
+_TILE_CACHE = ConfigCache("tile-cast-gpu", device_time=True)
 _INTERP_TILE = (32, 64, 1)
-
-
-@triton.jit
-def fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
-               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    # saturate(x * scale) (NaN passes) as FP8 bytes (uint8), round to nearest even.
-    y = x * scale
-    y = tl.where(y > fmax, fmax, y)
-    y = tl.where(y < -fmax, -fmax, y)
-    if EMULATE:
-        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-    q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-    if EMULATE:  # the interpreter makes NaN finite: write torch's NaN byte, 0x7F with y's sign
-        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-        q = tl.where(y != y, sign | 0x7F, q)
-    return q
-
-
-@triton.jit
-def tile_offsets(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-             IDX64: tl.constexpr):
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    if IDX64:  # >= 2**31 elements: int32 offsets would wrap
-        offs_r = offs_r.to(tl.int64)
-        offs_c = offs_c.to(tl.int64)
-    return offs_r, offs_c
 
 
 @triton.jit
@@ -248,22 +206,6 @@ def _rows_kernel(x_ptr, q_ptr, inv_ptr, R, C, stride_r, stride_c, fmax, target,
             tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
 
 
-def rows_configs(c: int) -> tuple:
-    """The rows-only kernel's candidates for rows of ``c`` elements: the whole row in registers
-    (one read of x) first where it fits, then the two-sweep loops, then for rows wider than
-    :data:`ONE_PASS_MAX_C` the two-kernel tiled pass (:data:`WIDE_ROWS_TILE_CONFIGS`).
-
-    Example:
-        >>> rows_configs(4096)[0]
-        (2, 4096, 8)
-    """
-    width = triton.next_power_of_2(c)
-    one_pass = tuple(cfg for cfg in ((2, width, 8), (1, width, 4), (4, width, 8), (1, width, 8))
-                     if width <= ONE_PASS_MAX_C and cfg[0] * width <= ONE_PASS_MAX_TILE)
-    wide = WIDE_ROWS_TILE_CONFIGS if width > ONE_PASS_MAX_C else ()
-    return one_pass + ROWS_LOOP_CONFIGS + wide
-
-
 def supports(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, block: int = 128,
              margin: int = 0, power_of_2: bool = False) -> bool:
     """Whether :func:`quantize_operands` takes these inputs (else use the torch reference).
@@ -297,30 +239,38 @@ def _common(x: torch.Tensor, dtype: torch.dtype, margin: int, power_of_2: bool) 
                 MANT_BITS=mant, MIN_EXP=min_exp, IDX64=needs_int64(x))
 
 
-def _launch_tiles(x, dtype, mode, rows, cols, br, bc, warps, kw, ramax=None, camax=None):
-    """One ``_tile_cast_kernel`` launch; returns (data, inv, data_t, inv_t) (None if not asked)."""
+def _outputs(x, dtype, mode, rows, cols, n_tr, n_tc):
+    """Empty (data, inv, data_t, inv_t) of a tile-kernel cast (None where not asked) and the
+    kernel's pointer arguments for them (uint8 views of the FP8 tensors, a dummy for None)."""
     r, c = x.shape
     dev = x.device
-    n_tr, n_tc = triton.cdiv(r, br), triton.cdiv(c, bc)
     shapes = {0: ((r, n_tc), (c, n_tr)), 1: ((n_tr, n_tc), (n_tc, n_tr)), 2: ((r, 1), (c, 1))}
     inv_shape, invt_shape = shapes[mode]
     data = torch.empty((r, c), dtype=dtype, device=dev) if rows or mode == 1 else None
     inv = torch.empty(inv_shape, dtype=torch.float32, device=dev) if rows or mode == 1 else None
     data_t = torch.empty((c, r), dtype=dtype, device=dev) if cols else None
     inv_t = torch.empty(invt_shape, dtype=torch.float32, device=dev) if cols else None
-    u8 = [t.view(torch.uint8) if t is not None and t.dtype == dtype else t
-          for t in (data, data_t)]
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
+    ptrs = [dummy if t is None else t.view(torch.uint8) if t.dtype == dtype else t
+            for t in (data, inv, data_t, inv_t)]
+    return (data, inv, data_t, inv_t), ptrs, dummy
+
+
+def _launch_tiles(x, dtype, mode, rows, cols, br, bc, warps, kw, ramax=None, camax=None,
+                  reload=False):
+    """One ``_tile_cast_kernel`` launch; returns (data, inv, data_t, inv_t) (None if not asked).
+    ``reload``: data^T from a transposed re-read of the tile (always so for float32 input)."""
+    r, c = x.shape
+    n_tr, n_tc = triton.cdiv(r, br), triton.cdiv(c, bc)
+    outs, ptrs, dummy = _outputs(x, dtype, mode, rows, cols, n_tr, n_tc)
     fmax = fp8_max(dtype)
     _tile_cast_kernel[(n_tr, n_tc)](
-        x, u8[0] if u8[0] is not None else dummy, inv if inv is not None else dummy,
-        u8[1] if u8[1] is not None else dummy, inv_t if inv_t is not None else dummy,
-        ramax if ramax is not None else dummy, camax if camax is not None else dummy,
+        x, *ptrs, ramax if ramax is not None else dummy, camax if camax is not None else dummy,
         r, c, x.stride(0), x.stride(1), n_tr, n_tc, fmax, fmax / (2.0 ** kw["margin"]),
-        MODE=mode, ROWS=bool(rows), COLS=bool(cols), T_RELOAD=x.dtype == torch.float32,
-        BLOCK_R=br, BLOCK_C=bc, num_warps=warps, **_common(x, dtype, kw["margin"],
-                                                          kw["power_of_2"]))
-    return data, inv, data_t, inv_t
+        MODE=mode, ROWS=bool(rows), COLS=bool(cols),
+        T_RELOAD=bool(reload) or x.dtype == torch.float32, BLOCK_R=br, BLOCK_C=bc,
+        num_warps=warps, **_common(x, dtype, kw["margin"], kw["power_of_2"]))
+    return outs
 
 
 def rows_only(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_2: bool = False,
@@ -375,46 +325,84 @@ def _run_tuned(run, cache: ConfigCache, key: tuple, candidates: tuple, numel: in
         run(cache.pick(key, candidates, run, bench=numel >= ROWS_TUNE_MIN_NUMEL))
 
 
-def _rowwise(x, dtype, rows, cols, kw):
+def _rows_colmax(x, dtype, rows, cfg, kw, common):
+    """A ``("colmax", ...)`` candidate: the rows cast taking column amaxes, then data^T."""
+    _, br, warps, per_sm, br2, bc2, warps2 = cfg
+    r, c = x.shape
+    dev = x.device
+    data = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
+    inv = torch.empty((r, 1), dtype=torch.float32, device=dev) if rows else None
+    n_blocks = triton.cdiv(r, br)
+    programs = min(n_blocks, per_sm * num_sms(dev))
+    partials = torch.empty((programs, c), dtype=torch.int32, device=dev)
+    fmax = fp8_max(dtype)
+    rows_colmax_kernel[(programs,)](
+        x, data.view(torch.uint8) if rows else partials, inv if rows else partials, partials,
+        r, c, x.stride(0), x.stride(1), fmax, fmax / (2.0 ** kw["margin"]), n_blocks,
+        ROWS=bool(rows), BLOCK_R=br, BLOCK_C=triton.next_power_of_2(c), num_warps=warps,
+        **common)
+    camax = partials.amax(dim=0)
+    return (data, inv) + _launch_tiles(x, dtype, 2, False, True, br2, bc2, warps2, kw, None,
+                                       camax, reload=True)[2:]
+
+
+def _rowwise(x, dtype, rows, cols, kw, config=None):
     r, c = x.shape
     dev = x.device
     common = _common(x, dtype, kw["margin"], kw["power_of_2"])
     if not cols:  # rows only: one launch, one program per row block
-        return rows_only(x, dtype, **kw), None
+        return rows_only(x, dtype, config=config, **kw), None
     ramax = torch.zeros(r, dtype=torch.int32, device=dev)
     camax = torch.zeros(c, dtype=torch.int32, device=dev)
     out = []
 
     def run(cfg):  # both passes; a re-run (tuning) re-takes the same maxima: idempotent
+        if cfg[0] == "colmax":
+            out[:] = _rows_colmax(x, dtype, rows, cfg, kw, common)
+            return
         br, bc, warps = cfg
         _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
             x, ramax, camax, r, c, x.stride(0), x.stride(1), ROWS=bool(rows), COLS=True,
             IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
         out[:] = _launch_tiles(x, dtype, 2, rows, True, br, bc, warps, kw, ramax, camax)
 
-    _run_tuned(run, _RC_CACHE, (bucket(r), bucket(c), x.dtype, bool(rows), dev.index),
-               ROWWISE_TILE_CONFIGS, r * c, _INTERP_TILE)
+    if config is not None:
+        run(config)
+    else:
+        _run_tuned(run, _RC_CACHE, (bucket(r), bucket(c), x.dtype, bool(rows), dev.index),
+                   rows_cols_configs(c), r * c, _INTERP_TILE)
     data, inv, data_t, inv_t = out
     return (GranularFp8(data, inv, "row") if rows else None), GranularFp8(data_t, inv_t, "row")
 
 
-def _blockwise(x, dtype, weight, rows, cols, block, kw):
+def _blockwise(x, dtype, weight, rows, cols, block, kw, config=None):
     mode = 1 if weight else 0
     out = []
 
-    def run(warps):
-        out[:] = _launch_tiles(x, dtype, mode, rows, cols, block, block, warps, kw)
+    def run(cfg):
+        if isinstance(cfg, int):
+            out[:] = _launch_tiles(x, dtype, mode, rows, cols, block, block, cfg, kw)
+        elif cfg[0] == "split":  # ("split", BLOCK_R, num_warps, BLOCK_C2, num_warps2, reload)
+            _, br, warps, bc2, warps2, reload = cfg
+            data, inv = _launch_tiles(x, dtype, 0, True, False, br, block, warps, kw)[:2] \
+                if rows else (None, None)
+            out[:] = (data, inv) + _launch_tiles(x, dtype, 0, False, True, block, bc2, warps2,
+                                                 kw, reload=reload)[2:]
+        else:  # ("rows", BLOCK_R, num_warps): 1 x block tiles, BLOCK_R rows a program
+            out[:] = _launch_tiles(x, dtype, 0, True, False, cfg[1], block, cfg[2], kw)
 
     key = (bucket(x.shape[0]), bucket(x.shape[1]), x.dtype, mode, bool(rows), bool(cols), block,
            x.device.index)
-    _run_tuned(run, _TILE_CACHE, key, BLOCK_WARPS if block >= 128 else BLOCK_WARPS_SMALL,
-               x.numel(), 1)
+    if config is not None:
+        run(config)
+    else:
+        _run_tuned(run, _TILE_CACHE, key, tile_configs(block, weight, rows, cols), x.numel(), 1)
     return tuple(out)
 
 
 def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weight: bool,
                       rows: bool = True, cols: bool = False, block: int = 128, margin: int = 0,
-                      power_of_2: bool = False
+                      power_of_2: bool = False, config=None
                       ) -> tuple[Optional[GranularFp8], Optional[GranularFp8]]:
     """:func:`fp8boost.fp8.granular.quantize.quantize_operands` in Triton: the same bytes.
 
@@ -429,6 +417,10 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
         block: tile length / block side (blockwise).
         margin: scales target ``fp8_max / 2**margin``.
         power_of_2: round scales down to powers of two.
+        config: None (the candidate timed fastest for this size class), or one candidate to
+            run: of :func:`rows_configs` (rowwise rows only), :func:`rows_cols_configs`
+            (rowwise with ``cols``) or :func:`tile_configs` (blockwise). Every candidate gives
+            the same bytes.
 
     Returns:
         ``(rows_operand or None, cols_operand or None)``.
@@ -448,8 +440,8 @@ def quantize_operands(x: torch.Tensor, dtype: torch.dtype, recipe: str, *, weigh
         return None, None
     kw = {"margin": margin, "power_of_2": power_of_2}
     if recipe == "rowwise":
-        return _rowwise(x, dtype, rows, cols, kw)
-    data, inv, data_t, inv_t = _blockwise(x, dtype, weight, rows, cols, block, kw)
+        return _rowwise(x, dtype, rows, cols, kw, config)
+    data, inv, data_t, inv_t = _blockwise(x, dtype, weight, rows, cols, block, kw, config)
     kind = "block" if weight else "tile"
     return (GranularFp8(data, inv, kind, block) if rows else None,
             GranularFp8(data_t, inv_t, kind, block) if cols else None)

@@ -46,9 +46,9 @@ import triton
 import triton.language as tl
 
 from ..scaling import FP8_DTYPES, fp8_max
-from .cast import tl_scale_from_amax
+from .cast import fp8_bytes, tile_offsets, tl_scale_from_amax
 from .granular_cast import (FP8_GRID, HIGH_PRECISION, MAX_POW2_MARGIN, TL_DTYPES,
-                            amax_pass_tile, fp8_bytes, needs_int64, tile_offsets)
+                            amax_pass_tile, needs_int64)
 from .granular_cast import quantize_operands as granular_operands
 from . import moe_weight_cast
 from .moe_seg_cast import two_pass as seg_two_pass

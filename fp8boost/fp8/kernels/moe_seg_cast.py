@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from ..scaling import fp8_max
-from .cast import abs_bits, tl_scale_from_amax
-from .granular_cast import FP8_GRID, TL_DTYPES, fp8_bytes, needs_int64
+from .cast import abs_bits, fp8_bytes, tl_scale_from_amax
+from .granular_cast import FP8_GRID, TL_DTYPES, needs_int64
 from .tuning import ConfigCache, bucket, interpreting, num_sms
 
 # (BLOCK_R, BLOCK_C, num_warps, programs per SM aimed at by the row split). The transposed

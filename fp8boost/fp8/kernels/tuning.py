@@ -168,6 +168,34 @@ def _time_ms(fn: Callable[[], Any]) -> float:
                                    return_mode="median")
 
 
+# _time_device_ms: runs per round, rounds (median), and the GPU sleep (cycles, ~10 ms on a
+# Hopper) that the host queues a round's launches behind.
+DEVICE_TIME_RUNS = 10
+DEVICE_TIME_ROUNDS = 5
+DEVICE_TIME_SLEEP_CYCLES = 20_000_000
+
+
+def _time_device_ms(fn: Callable[[], Any]) -> float:
+    """Median GPU time of one ``fn()`` in ms, its launches queued behind a GPU sleep so that the
+    host's launch cost is not in it (``_time_ms`` counts it whenever the GPU waits for the host:
+    a candidate of four small launches then loses to one of a single launch that the GPU runs
+    slower). Right for work that a training step queues ahead of the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(DEVICE_TIME_ROUNDS):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(DEVICE_TIME_SLEEP_CYCLES)
+        start.record()
+        for _ in range(DEVICE_TIME_RUNS):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / DEVICE_TIME_RUNS)
+    return sorted(times)[len(times) // 2]
+
+
 class ConfigCache:
     """``key -> best config`` with lazy benchmarking of candidates on first use.
 
@@ -180,8 +208,10 @@ class ConfigCache:
         1
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device_time: bool = False) -> None:
         self.name = name
+        # Time candidates by GPU time alone (_time_device_ms), not by do_bench's wall time.
+        self.device_time = device_time
         self.best: dict[Hashable, Any] = {}
         self.timings: dict[Hashable, list[tuple[Any, float]]] = {}
         self._disk: dict[Path, dict[str, Any]] = {}  # file -> its entries, read on first use
@@ -279,7 +309,7 @@ class ConfigCache:
         for cfg in candidates:
             try:
                 run(cfg)  # compile + first launch outside the timed region
-                ms = _time_ms(lambda: run(cfg))
+                ms = (_time_device_ms if self.device_time else _time_ms)(lambda: run(cfg))
             except Exception as exc:  # noqa: BLE001 (e.g. OutOfResources for this config)
                 last_exc = exc
                 continue
