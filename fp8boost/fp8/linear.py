@@ -86,7 +86,6 @@ class Fp8Linear(nn.Linear):
             self.casts, (self.out_features, self.in_features))
         """Where the FP8 operands come from (``fp8/operands.py``)."""
         self._backend_device: Optional[torch.device] = None
-        self.amax_reduce_fn = None
         if self.casts.delayed:
             # Buffers, so the history moves with .to() and is saved in state_dict (exact resume).
             dev = self.weight.device if self.weight.device.type != "meta" else None
@@ -143,8 +142,8 @@ class Fp8Linear(nn.Linear):
         self.operands.keep_frozen_cast = keep
 
     def set_amax_reduce_fn(self, fn) -> None:
-        """Distribution hook for delayed scaling: ``fn(amax)`` reduces a fresh amax in place."""
-        self.amax_reduce_fn = fn
+        """Distribution hook for delayed scaling: ``fn(amax)`` reduces a fresh amax in place
+        (held by the recipe's strategy, ``self.casts``, which calls it)."""
         self.casts.set_amax_reduce_fn(fn)
 
     def set_amax_groups(self, groups: dict[str, object]) -> None:
