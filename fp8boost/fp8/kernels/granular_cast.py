@@ -289,13 +289,8 @@ def rows_only(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_
 
     def run(cfg):
         if cfg[0] == "tiles":
-            _, br, bc, warps = cfg
-            ramax = torch.zeros(r, dtype=torch.int32, device=dev)
-            _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
-                x, ramax, ramax, r, c, x.stride(0), x.stride(1), ROWS=True, COLS=False,
-                IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
-            out[:] = _launch_tiles(x, dtype, 2, True, False, br, bc, warps,
-                                   {"margin": margin, "power_of_2": power_of_2}, ramax)[:2]
+            out[:] = _two_pass_tiles(x, dtype, True, False, cfg[1:],
+                                     {"margin": margin, "power_of_2": power_of_2}, common)[:2]
             return
         br, bc, warps = cfg
         data = torch.empty((r, c), dtype=dtype, device=dev)
@@ -306,20 +301,20 @@ def rows_only(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_of_
             ONE_PASS=bc >= c, **common)
         out[:] = data, inv
 
-    if config is not None:
-        run(config)
-    else:
-        _run_tuned(run, _ROWS_CACHE, (bucket(r), bucket(c), x.dtype, dev.index), rows_configs(c),
-                   r * c, _INTERP_TILE)
+    _run_tuned(run, _ROWS_CACHE, (bucket(r), bucket(c), x.dtype, dev.index), rows_configs(c),
+               r * c, _INTERP_TILE, config)
     data, inv = out
     return GranularFp8(data, inv, "row")
 
 
 def _run_tuned(run, cache: ConfigCache, key: tuple, candidates: tuple, numel: int,
-               interp_config) -> None:
-    """``run(config)`` with ``interp_config`` under the interpreter, else with the config timed
-    once for ``key`` (below ``ROWS_TUNE_MIN_NUMEL`` elements the first candidate, untimed)."""
-    if interpreting():
+               interp_config, config=None) -> None:
+    """``run(config)`` with ``config`` if one is given, else with ``interp_config`` under the
+    interpreter, else with the config timed once for ``key`` (below ``ROWS_TUNE_MIN_NUMEL``
+    elements the first candidate, untimed)."""
+    if config is not None:
+        run(config)
+    elif interpreting():
         run(interp_config)
     else:
         run(cache.pick(key, candidates, run, bench=numel >= ROWS_TUNE_MIN_NUMEL))
@@ -346,17 +341,19 @@ def _rows_colmax(x, dtype, rows, cfg, kw, common):
                                        camax, reload=True)[2:]
 
 
-def _rows_cols_tiles(x, dtype, rows, cfg, kw, common):
-    """A ``(BLOCK_R, BLOCK_C, num_warps)`` candidate: the amax pass over tiles (row and column
-    amaxes by integer atomic max into zeroed buffers), then the cast pass writing both."""
+def _two_pass_tiles(x, dtype, rows, cols, cfg, kw, common):
+    """Rowwise over ``(BLOCK_R, BLOCK_C, num_warps)`` tiles: the amax pass (row and/or column
+    amaxes by integer atomic max into zeroed buffers), then the cast pass writing the operands
+    asked for; returns (data, inv, data_t, inv_t)."""
     br, bc, warps = cfg
     r, c = x.shape
-    ramax = torch.zeros(r, dtype=torch.int32, device=x.device)
-    camax = torch.zeros(c, dtype=torch.int32, device=x.device)
+    ramax = torch.zeros(r, dtype=torch.int32, device=x.device) if rows else None
+    camax = torch.zeros(c, dtype=torch.int32, device=x.device) if cols else None
     _amax_rc_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
-        x, ramax, camax, r, c, x.stride(0), x.stride(1), ROWS=bool(rows), COLS=True,
-        IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
-    return _launch_tiles(x, dtype, 2, rows, True, br, bc, warps, kw, ramax, camax)
+        x, ramax if rows else camax, camax if cols else ramax, r, c, x.stride(0), x.stride(1),
+        ROWS=bool(rows), COLS=bool(cols), IDX64=common["IDX64"], BLOCK_R=br, BLOCK_C=bc,
+        num_warps=warps)
+    return _launch_tiles(x, dtype, 2, rows, cols, br, bc, warps, kw, ramax, camax)
 
 
 def _rowwise(x, dtype, rows, cols, kw, config=None):
@@ -368,14 +365,13 @@ def _rowwise(x, dtype, rows, cols, kw, config=None):
     out = []
 
     def run(cfg):
-        launch = _rows_colmax if cfg[0] == "colmax" else _rows_cols_tiles
-        out[:] = launch(x, dtype, rows, cfg, kw, common)
+        if cfg[0] == "colmax":
+            out[:] = _rows_colmax(x, dtype, rows, cfg, kw, common)
+        else:
+            out[:] = _two_pass_tiles(x, dtype, rows, True, cfg, kw, common)
 
-    if config is not None:
-        run(config)
-    else:
-        _run_tuned(run, _RC_CACHE, (bucket(r), bucket(c), x.dtype, bool(rows), dev.index),
-                   rows_cols_configs(c), r * c, _INTERP_TILE)
+    _run_tuned(run, _RC_CACHE, (bucket(r), bucket(c), x.dtype, bool(rows), dev.index),
+               rows_cols_configs(c), r * c, _INTERP_TILE, config)
     data, inv, data_t, inv_t = out
     return (GranularFp8(data, inv, "row") if rows else None), GranularFp8(data_t, inv_t, "row")
 
@@ -398,10 +394,8 @@ def _blockwise(x, dtype, weight, rows, cols, block, kw, config=None):
 
     key = (bucket(x.shape[0]), bucket(x.shape[1]), x.dtype, mode, bool(rows), bool(cols), block,
            x.device.index)
-    if config is not None:
-        run(config)
-    else:
-        _run_tuned(run, _TILE_CACHE, key, tile_configs(block, weight, rows, cols), x.numel(), 1)
+    _run_tuned(run, _TILE_CACHE, key, tile_configs(block, weight, rows, cols), x.numel(), 1,
+               config)
     return tuple(out)
 
 
