@@ -28,7 +28,8 @@ Modes (bench/train.py config + flags)::
     torchao_fsdp2_compiled (torchtitan's setup at world size 1: cross-checks the torchao
     row), fsdp2_bf16_compiled; ablations: fp8_compiled_kernelcasts (the Triton cast kernel
     as an opaque op under compile: Fp8Config(compiled_casts="kernel")), fp8_eager_noshare
-    (Fp8Config(share_input_casts=False)), bf16/torchao/fp8_compiled_twopass
+    (Fp8Config(share_input_casts=False)), fp8_rowwise/blockwise_eager_noshare (the same for
+    the granular recipes), bf16/torchao/fp8_compiled_twopass
     (MixedPrecision(fused_master_step=False): the two-pass master-weight step, the default
     before the one-kernel AdamW step; every other single_* mode takes the library default);
     issue 26's recipes: torchao_rowwise_compiled/_eager, fp8_rowwise/blockwise_compiled/_eager,
@@ -130,6 +131,11 @@ MODES: dict[str, tuple[str, list[str]]] = {
     "torchao_rowwise_eager": ("single_torchao", ["--torchao-recipe", "rowwise"]),
     "fp8_rowwise_eager": ("single_fp8", _ALL + ["--fp8-options", "named=rowwise"]),
     "fp8_blockwise_eager": ("single_fp8", _ALL + ["--fp8-options", "named=blockwise"]),
+    # Each layer casting its own input (as before issue 35's eager shared granular casts).
+    "fp8_rowwise_eager_noshare": ("single_fp8", _ALL + ["--fp8-options",
+                                                        "named=rowwise,share_input_casts=False"]),
+    "fp8_blockwise_eager_noshare": ("single_fp8", _ALL + [
+        "--fp8-options", "named=blockwise,share_input_casts=False"]),
     # Issue 35: the lm_head + loss. hfloss: HF's (full logits), as torchao users train, against
     # the library's fused loss everywhere else; fp8head: the fused loss with an FP8 lm_head.
     "bf16_compiled_hfloss": ("single_bf16", ["--compile", "--fused-lm-loss", "off"]),

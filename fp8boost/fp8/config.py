@@ -158,11 +158,11 @@ class Fp8Config:
     kernel."""
 
     share_input_casts: bool = True
-    """Eager, tensorwise scaling: layers that read the same input tensor (q/k/v, gate/up) share
-    one FP8 cast of it (one amax + cast instead of three, and one saved FP8 copy for backward).
-    Exact: the shared cast is the one each layer would have made. Under ``torch.compile`` the
-    compiler's common-subexpression elimination does the same. Rowwise/blockwise: not applied
-    in eager (each layer casts its input), CSE still merges them when compiled."""
+    """Eager mode: layers that read the same input tensor (q/k/v, gate/up) share one FP8 cast
+    of it (one amax + cast instead of three, and one saved FP8 copy for backward), under the
+    tensorwise, rowwise and blockwise recipes (delayed scaling keeps a history per layer and
+    never shares). Exact: the shared cast is the one each layer would have made. Under
+    ``torch.compile`` the compiler's common-subexpression elimination does the same."""
 
     recompute_weight_cast: bool = True
     """Current scaling: backward re-casts the weight for the input-gradient GEMM (from the

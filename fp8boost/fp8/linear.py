@@ -249,18 +249,20 @@ class Fp8Linear(nn.Linear):
     def _gemms(self, x: torch.Tensor, x2d: torch.Tensor,
                bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``[M, K] -> [M, N]``: the granular recipes' function, else :class:`Fp8Matmul`
-        (eager layers reading one tensor share its input cast: ``share_input_casts``)."""
+        (eager layers reading one tensor share its input cast, every recipe but delayed:
+        ``share_input_casts``)."""
         casts, ops, weight = self.casts, self.operands, self.weight
         if casts.granular:
             frozen = ops.frozen_granular_operands(weight, casts.row_groups)
             return granular_forward(x2d, weight, bias, self.fp8_config, casts.backend, frozen,
-                                    casts.row_groups)
+                                    casts.row_groups, share_src=x)
         casts.begin_forward()
+        grad = torch.is_grad_enabled()
         if (_compiling() or not self.fp8_config.share_input_casts or casts.delayed
                 or isinstance(x, Fp8WeightTensor)):
-            return Fp8Matmul.apply(x2d, weight, bias, ops)
+            return Fp8Matmul.apply(x2d, weight, bias, ops, grad)
         with ops.sharing_input(x):
-            return Fp8Matmul.apply(x2d, weight, bias, ops)
+            return Fp8Matmul.apply(x2d, weight, bias, ops, grad)
 
     def extra_repr(self) -> str:
         c = self.fp8_config

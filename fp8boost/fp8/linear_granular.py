@@ -12,7 +12,9 @@ not use, by design:
   needs no reduction: tiles and blocks stay within a shard, exactly one process's when the
   split dim of each shard is a multiple of ``block_size`` (otherwise the tile or block at a
   shard edge is scaled from the shard's part of it);
-* no shared input casts (``share_input_casts``: under ``torch.compile`` CSE merges them);
+* shared input casts as tensorwise has them (``share_input_casts``, eager): layers reading one
+  tensor (q/k/v, gate/up) share its row/tile operand and the ``x^T`` operand kept for wgrad,
+  made once (:func:`shared_input_operands`); under ``torch.compile`` CSE merges the casts;
 * FP8 weights made elsewhere, blockwise only: a block-scaled FP8 weight carrier of the
   layer's format is used as is (FSDP2's block-scaled FP8 all-gather makes them:
   ``parallel/fsdp/block_gather.py``), and so is a blockwise ``set_prequantized_weight``
@@ -31,14 +33,17 @@ import torch
 
 from fp8boost import _state
 
+from . import shared_cast
 from .config import Fp8Config
-from .granular.function import RowGroups, carrier_mismatch, granular_linear, weight_operands
+from .granular.function import (RowGroups, carrier_mismatch, granular_linear, input_operands,
+                                weight_operands)
 from .granular.gemm import prepare as prepare_granular
 from .granular.quantize import GranularFp8
 from .prequantized import Fp8WeightTensor, PrequantizedWeight, dequantize_weight, transpose_fp8
+from .recompute import compiling
 
 __all__ = ["RowGroups", "granular_forward", "prepare_granular", "prequantized_block_operands",
-           "row_groups", "weight_operands"]
+           "row_groups", "shared_input_operands", "weight_operands"]
 
 
 class _Dequantize(torch.autograd.Function):
@@ -99,9 +104,33 @@ def row_groups(groups: dict[str, object], recipe: str) -> Optional[RowGroups]:
                      wt=w if groups.get("grad") is not None else None)
 
 
+def shared_input_operands(src: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
+                          config: Fp8Config, backend, groups: Optional[RowGroups] = None
+                          ) -> Optional[tuple[GranularFp8, Optional[GranularFp8]]]:
+    """The input operands of ``x2d`` (a view of ``src``), cast once for every eager layer that
+    reads ``src`` unchanged with the same settings (:mod:`.shared_cast`); None where layers do
+    not share: ``share_input_casts`` off, under ``torch.compile`` (CSE merges the casts
+    there), or ``src`` an FP8 carrier.
+
+    Exact: the operands are :func:`input_operands`'s, the bytes each layer would cast. The
+    ``x^T`` operand is made when this layer's wgrad needs it; a cast without it (a frozen
+    layer's) does not serve a layer that does.
+    """
+    if not config.share_input_casts or compiling() or isinstance(src, Fp8WeightTensor):
+        return None
+    cols = torch.is_grad_enabled() and weight.requires_grad and not config.wgrad_high_precision
+    key = ("granular", config.recipe, config.fwd_dtype, config.block_size, config.margin,
+           config.power_of_2_scale, getattr(backend, "name", backend),
+           (groups or RowGroups()).x, tuple(x2d.shape), x2d.stride(), x2d.dtype)
+    return shared_cast.cast_once(
+        src, key, cols, lambda: input_operands(x2d, config, cols=cols, backend=backend,
+                                               groups=groups), has_transpose=cols)
+
+
 def granular_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      config: Fp8Config, backend, weight_q=None,
-                     groups: Optional[RowGroups] = None) -> torch.Tensor:
+                     groups: Optional[RowGroups] = None,
+                     share_src: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``Fp8Linear``'s forward under a rowwise/blockwise ``config``: ``[M, K] -> [M, N]``.
 
     Args:
@@ -112,7 +141,13 @@ def granular_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         backend: the layer's resolved ``Fp8Backend``.
         weight_q: the frozen weight's kept operands (:func:`weight_operands`), or None.
         groups: the rowwise tensor-parallel reductions (:func:`row_groups`), or None.
+        share_src: the layer's input as the caller got it (``x2d`` is a view of it): layers
+            reading the same tensor share its cast (:func:`shared_input_operands`). None: no
+            sharing.
     """
+    x_q = None
+    if share_src is not None:
+        x_q = shared_input_operands(share_src, x2d, weight, config, backend, groups)
     x2d = _plain(x2d, "input", config)
     weight = _plain(weight, "weight", config)
-    return granular_linear(x2d, weight, bias, config, backend, weight_q, groups)
+    return granular_linear(x2d, weight, bias, config, backend, weight_q, groups, x_q)

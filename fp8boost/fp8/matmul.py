@@ -49,7 +49,8 @@ class Fp8Operands(Protocol):
 
 class Fp8Matmul(torch.autograd.Function):
     """``y = x2d @ weight.T + bias`` with fprop, dgrad and wgrad in FP8:
-    ``Fp8Matmul.apply(x2d [M, K], weight [N, K], bias or None, operands)``.
+    ``Fp8Matmul.apply(x2d [M, K], weight [N, K], bias or None, operands, grad)``; ``grad``
+    (default True): the caller's ``torch.is_grad_enabled()``.
 
     Example:
         >>> import torch
@@ -61,11 +62,14 @@ class Fp8Matmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, ops: Fp8Operands):
+    def forward(ctx, x2d, weight, bias, ops: Fp8Operands, grad: bool = True):
         casts = ops.casts
         backend, cfg = casts.backend, casts.config
-        # Grad mode is off inside forward: needs_input_grad says what backward will need.
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Grad mode is off inside forward; needs_input_grad says what backward will need when
+        # the caller's grad mode was on (``grad``), but is set under torch.no_grad() as well,
+        # where no backward comes: no transposed operand is made then.
+        need_dgrad = grad and ctx.needs_input_grad[0]
+        need_wgrad = grad and ctx.needs_input_grad[1]
         xq = ops.input_operand(x2d, with_transpose=need_wgrad)
         # A prequantized weight's transpose is made in backward from the bytes (re-)gathered
         # then: saving it would pin what FSDP's reshard-after-forward frees.
@@ -124,5 +128,5 @@ class Fp8Matmul(torch.autograd.Function):
                             use_fast_accum=cfg.fast_accum_wgrad)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 

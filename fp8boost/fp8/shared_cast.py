@@ -1,12 +1,13 @@
 """One FP8 cast per input tensor, shared by the layers that read it (eager mode).
 
 In a Llama block, ``q_proj``, ``k_proj`` and ``v_proj`` read the same normed hidden state, and
-``gate_proj`` and ``up_proj`` the same MLP input. With tensorwise scaling each of them would
-compute the same amax and write the same FP8 bytes (and keep its own transposed copy for
-backward). Here the first layer's cast is remembered and the next layers that get the very same
-tensor object, unchanged (same version counter) and cast the same way (format, margin,
-power-of-2 rounding, backend, amax group) reuse it: the result is exactly the cast they would
-have made.
+``gate_proj`` and ``up_proj`` the same MLP input. Each of them would compute the same amaxes
+and write the same FP8 bytes (and keep its own transposed copy for backward): one per-tensor
+scale under tensorwise scaling, per-row or per-tile scales and the token-axis operand ``x^T``
+under the rowwise and blockwise recipes. Here the first layer's cast is remembered and the
+next layers that get the very same tensor object, unchanged (same version counter) and cast the
+same way (recipe, format, margin, power-of-2 rounding, backend, amax group) reuse it: the
+result is exactly the cast they would have made.
 
 Only the most recent input is remembered, and only while that input is alive: the
 entry holds a weak reference to the source tensor and is dropped when the source is freed (for
@@ -41,11 +42,12 @@ _KEY = "last"
 
 
 class _Entry:
-    __slots__ = ("src", "version", "key", "fp8", "__weakref__")
+    __slots__ = ("src", "version", "key", "fp8", "has_transpose", "__weakref__")
 
-    def __init__(self, version: int, key: Hashable, fp8: Any) -> None:
+    def __init__(self, version: int, key: Hashable, fp8: Any, has_transpose: bool) -> None:
         self.src: Optional[weakref.ref] = None
         self.version, self.key, self.fp8 = version, key, fp8
+        self.has_transpose = has_transpose
 
 
 def lookup(src: torch.Tensor, key: Hashable, with_transpose: bool) -> Optional[Any]:
@@ -57,15 +59,21 @@ def lookup(src: torch.Tensor, key: Hashable, with_transpose: bool) -> Optional[A
     if entry is None or entry.src() is not src or entry.version != src._version \
             or entry.key != key:
         return None
-    if with_transpose and getattr(entry.fp8, "data_t", None) is None:
+    if with_transpose and not entry.has_transpose:
         return None
     return entry.fp8
 
 
-def store(src: torch.Tensor, key: Hashable, fp8: Any) -> None:
-    """Remember ``fp8`` as the cast of ``src`` made with ``key`` (replacing the previous one)."""
+def store(src: torch.Tensor, key: Hashable, fp8: Any,
+          has_transpose: Optional[bool] = None) -> None:
+    """Remember ``fp8`` as the cast of ``src`` made with ``key`` (replacing the previous one).
+
+    ``has_transpose``: whether ``fp8`` holds the transposed operand too (None: whether it has
+    a ``data_t``, as a tensorwise ``Fp8Tensor`` does)."""
     slot = _state.cache(_CACHE)
-    entry = _Entry(src._version, key, fp8)
+    if has_transpose is None:
+        has_transpose = getattr(fp8, "data_t", None) is not None
+    entry = _Entry(src._version, key, fp8, has_transpose)
     entry_ref = weakref.ref(entry)
 
     def _drop(_src_ref: weakref.ref) -> None:
@@ -78,12 +86,13 @@ def store(src: torch.Tensor, key: Hashable, fp8: Any) -> None:
 
 
 def cast_once(src: torch.Tensor, key: Hashable, with_transpose: bool,
-              make: Callable[[], Any]) -> Any:
-    """The remembered cast of ``src`` made with ``key``, else ``make()``, remembered."""
+              make: Callable[[], Any], has_transpose: Optional[bool] = None) -> Any:
+    """The remembered cast of ``src`` made with ``key``, else ``make()``, remembered
+    (``has_transpose``: as :func:`store` takes it)."""
     fp8 = lookup(src, key, with_transpose)
     if fp8 is None:
         fp8 = make()
-        store(src, key, fp8)
+        store(src, key, fp8, has_transpose)
     return fp8
 
 

@@ -32,18 +32,18 @@ class _CountingBackend(EmulatedBackend):
 class _Block(nn.Module):
     """q/k/v reading one tensor (as in a Llama attention block), then a sum."""
 
-    def __init__(self, cfg: Fp8Config, d: int = 48) -> None:
+    def __init__(self, cfg: Fp8Config, d: int = 48, d_out: int = 48) -> None:
         super().__init__()
-        self.q, self.k, self.v = (Fp8Linear(d, d, bias=False, config=cfg) for _ in range(3))
+        self.q, self.k, self.v = (Fp8Linear(d, d_out, bias=False, config=cfg) for _ in range(3))
 
     def forward(self, x):
         h = x * 1.5  # a fresh tensor, like RMSNorm's output
         return self.q(h) + self.k(h).square() + self.v(h) * 0.5
 
 
-def _run(cfg: Fp8Config, x: torch.Tensor, backend=None):
+def _run(cfg: Fp8Config, x: torch.Tensor, backend=None, d_out: int = 48):
     torch.manual_seed(0)
-    block = _Block(cfg)
+    block = _Block(cfg, x.shape[-1], d_out)
     if backend is not None:
         for layer in (block.q, block.k, block.v):
             layer.use_backend(backend, x.device)
@@ -89,6 +89,103 @@ def test_shared_input_cast_not_reused_after_in_place_write_or_for_other_settings
         assert torch.equal(yb, ref(x))
     inputs = [call for call in backend.calls if call[0] == (8, 32)]
     assert len(inputs) == 3, inputs
+
+
+class _CountingCasts:
+    """Counts the granular casts of the input (``weight=False``, rows and x^T flags)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import fp8boost.fp8.granular.function as function
+        self.calls: list[tuple] = []
+        real = function.quantize_operands
+
+        def counting(x, dtype, recipe, *, weight, rows=True, cols=False, **kw):
+            if not weight:
+                self.calls.append((tuple(x.shape), dtype, rows, cols))
+            return real(x, dtype, recipe, weight=weight, rows=rows, cols=cols, **kw)
+
+        monkeypatch.setattr(function, "quantize_operands", counting)
+
+    def inputs(self, shape: tuple) -> list[tuple]:
+        return [c for c in self.calls if c[0] == shape and c[1] == torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_granular_layers_reading_one_tensor_share_its_cast(recipe, monkeypatch):
+    # q/k/v under the rowwise/blockwise recipes: the input's row/tile operand and its x^T
+    # operand (kept for wgrad) are made once, and the step is bit-identical to casting thrice.
+    # (Outputs 40 wide: the output gradients' casts are [96, 40].)
+    x = torch.randn(4, 24, 48) * 3
+    x[:, ::5] *= 1e3  # outlier tokens: per-row/tile scales differ from row to row
+    counts = _CountingCasts(monkeypatch)
+    y1, dx1, g1 = _run(Fp8Config.from_recipe(recipe, backend="emulated"), x, d_out=40)
+    shared = counts.inputs((96, 48))
+    counts.calls.clear()
+    y0, dx0, g0 = _run(Fp8Config.from_recipe(recipe, backend="emulated",
+                                             share_input_casts=False), x, d_out=40)
+    plain = counts.inputs((96, 48))
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0))
+    assert shared == [((96, 48), torch.float8_e4m3fn, True, True)]
+    assert plain == shared * 3
+    gc.collect()
+    assert not shared_cast.holds_cast(), "the shared FP8 copy outlived its source tensor"
+
+
+def test_granular_shared_cast_serves_only_layers_it_fits(monkeypatch):
+    # A frozen layer's cast has no x^T: the next trainable layer casts again (with x^T), and
+    # the one after it reuses that; an in-place write, another recipe or another margin casts
+    # anew. Every output matches an unshared layer's.
+    cfg = Fp8Config.from_recipe("rowwise", backend="emulated")
+    torch.manual_seed(0)
+    frozen, a, b = (Fp8Linear(32, 16, config=cfg) for _ in range(3))
+    frozen.weight.requires_grad_(False)
+    tiles = Fp8Linear(32, 16, config=Fp8Config.from_recipe("blockwise", backend="emulated"))
+    margin = Fp8Linear(32, 16, config=cfg.replace(margin=2))
+    tensorwise = Fp8Linear(32, 16, config=Fp8Config(backend="emulated"))
+    counts = _CountingCasts(monkeypatch)
+    x = torch.randn(8, 32) * 10
+    outs = [layer(x) for layer in (frozen, a, b, tiles, margin, tensorwise)]
+    x0 = x.clone()
+    assert [c[2:] for c in counts.inputs((8, 32))] == [(True, False), (True, True)] + \
+        [(True, True)] * 2, counts.calls
+    with torch.no_grad():
+        x.mul_(100.0)  # same object, new contents: the cast must be redone
+        outs.append(a(x))
+    assert len(counts.inputs((8, 32))) == 5
+    unshared = []
+    for layer in (frozen, a, b, tiles, margin, tensorwise):
+        ref = Fp8Linear(32, 16, config=layer.fp8_config.replace(share_input_casts=False))
+        ref.load_state_dict(layer.state_dict())
+        unshared.append(ref)
+    refs = [ref(x0) for ref in unshared]
+    with torch.no_grad():
+        refs.append(unshared[1](x))
+    assert len(outs) == len(refs) == 7
+    assert all(torch.equal(o, r) for o, r in zip(outs, refs))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_no_grad_forward_makes_no_backward_operands(recipe, monkeypatch):
+    # Under torch.no_grad() (evaluation) autograd.Function still reports needs_input_grad for
+    # a weight that requires grad; the forward must not cast x^T (nor keep W^T) for a backward
+    # that never comes. Outputs are those of the training forward.
+    cfg = Fp8Config.from_recipe(recipe, backend="emulated", share_input_casts=False,
+                                recompute_weight_cast=False)
+    layer = Fp8Linear(32, 16, config=cfg)
+    backend, counts = _CountingBackend(), _CountingCasts(monkeypatch)
+    if recipe == "tensorwise":  # the granular recipes' GEMMs dispatch on the backend's name
+        layer.use_backend(backend, torch.device("cpu"))
+    x = torch.randn(8, 32) * 10
+    with torch.no_grad():
+        y_eval = layer(x)
+    transposed = [c for c in backend.calls if c[2]] + [c for c in counts.calls if c[3]]
+    assert transposed == [], transposed
+    assert len(backend.calls) + len(counts.calls) >= 1  # the input was cast, rows only
+    y_train = layer(x)
+    transposed = [c for c in backend.calls if c[2]] + [c for c in counts.calls if c[3]]
+    assert len(transposed) >= 1  # training casts x^T (and W^T) again
+    assert torch.equal(y_eval, y_train.detach())
 
 
 def test_delayed_scaling_layers_never_share():

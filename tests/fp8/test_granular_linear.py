@@ -94,12 +94,15 @@ def test_no_tensorwise_machinery_for_granular_recipes(name, monkeypatch):
                        else "one inverse scale per 128x128 block"):
         layer.set_prequantized_weight(torch.zeros(136, 200, dtype=torch.float8_e4m3fn),
                                       torch.ones(()))
-    # no shared input cast, no tensorwise cast at all: two layers reading one tensor
+    # no tensorwise cast at all: two layers reading one tensor share the granular cast
+    # (tests/fp8/test_cast_sharing_and_compile.py), which dies with the tensor
     monkeypatch.setattr(TensorwiseCasts, "quantize",
                         lambda *a, **k: pytest.fail("tensorwise cast"))
     other, _, _ = layer_and_reference(name)
     x = outliers(8, 200)
     layer(x), other(x)
+    assert shared_cast.holds_cast()
+    del x
     assert not shared_cast.holds_cast()
 
 

@@ -5,7 +5,7 @@
 :func:`granular_linear`, the autograd function Fp8Linear runs for these recipes.
 """
 from .function import (GranularLinearFunction, RowGroups, fast_accum, granular_linear,
-                       quantize_with, weight_operands)
+                       input_operands, quantize_with, weight_operands)
 from .gemm import (blockwise_gemm_unavailable, blockwise_scaled_mm, emulated_mm, granular_mm,
                    rowwise_scaled_mm)
 from .quantize import (GranularFp8, quantize_blocks, quantize_cols_t, quantize_operands,
@@ -13,6 +13,7 @@ from .quantize import (GranularFp8, quantize_blocks, quantize_cols_t, quantize_o
 
 __all__ = ["GranularFp8", "GranularLinearFunction", "RowGroups", "blockwise_gemm_unavailable",
            "blockwise_scaled_mm", "rowwise_scaled_mm",
-           "emulated_mm", "fast_accum", "granular_linear", "granular_mm", "quantize_blocks",
+           "emulated_mm", "fast_accum", "granular_linear", "granular_mm", "input_operands",
+           "quantize_blocks",
            "quantize_cols_t", "quantize_operands", "quantize_rows", "quantize_tiles",
            "quantize_tiles_t", "quantize_with", "weight_operands"]

@@ -113,19 +113,33 @@ def weight_operands(weight: torch.Tensor, cfg: Fp8Config,
                          rows_group=g.w, cols_group=g.wt)
 
 
+def input_operands(x2d: torch.Tensor, cfg: Fp8Config, *, cols: bool, backend=None,
+                   groups: Optional[RowGroups] = None) -> tuple[GranularFp8, Optional[GranularFp8]]:
+    """The input's FP8 operands as the forward makes them: ``x`` for fprop and, with ``cols``
+    (wgrad in FP8 needed), ``x^T`` for wgrad. For a caller that shares them between layers
+    reading one tensor (``granular_linear(..., x_q=...)``: the same bytes as a cast)."""
+    return quantize_with(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True, cols=cols,
+                         backend=backend, rows_group=(groups or RowGroups()).x)
+
+
 class GranularLinearFunction(torch.autograd.Function):
-    """``apply(x2d, weight, bias, config, backend, weight_q, groups)``: see
-    :func:`granular_linear`."""
+    """``apply(x2d, weight, bias, config, backend, weight_q, groups, x_q, grad)``: see
+    :func:`granular_linear` (``grad``: the caller's ``torch.is_grad_enabled()``)."""
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, cfg: Fp8Config, backend, weight_q=None,
-                groups: Optional[RowGroups] = None):
+                groups: Optional[RowGroups] = None, x_q=None, grad: bool = True):
         g = groups or RowGroups()
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad is set under torch.no_grad() too, where no backward comes: then no
+        # x^T / W^T operand is made.
+        need_dgrad = grad and ctx.needs_input_grad[0]
+        need_wgrad = grad and ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
-        xq, xq_t = quantize_with(x2d, cfg.fwd_dtype, cfg, weight=False, rows=True,
-                                 cols=need_wgrad and not hp_wgrad, backend=backend,
-                                 rows_group=g.x)
+        fp8_wgrad = need_wgrad and not hp_wgrad
+        if x_q is not None and (x_q[1] is not None or not fp8_wgrad):  # made by input_operands
+            xq, xq_t = x_q[0], x_q[1] if fp8_wgrad else None
+        else:
+            xq, xq_t = input_operands(x2d, cfg, cols=fp8_wgrad, backend=backend, groups=g)
         keep_wt = need_dgrad and not cfg.recompute_weight_cast
         if weight_q is not None:  # made by weight_operands: the same bytes
             wq, wq_t = weight_q[0], weight_q[1] if keep_wt else None
@@ -186,13 +200,15 @@ class GranularLinearFunction(torch.autograd.Function):
                              use_fast_accum=fast_accum(cfg, "wgrad"))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = cast_result(dy.float().sum(0), ctx.b_dtype)  # no no-op .to: see cast_result
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     config: Fp8Config, backend,
                     weight_q: Optional[tuple[GranularFp8, GranularFp8]] = None,
-                    groups: Optional[RowGroups] = None) -> torch.Tensor:
+                    groups: Optional[RowGroups] = None,
+                    x_q: Optional[tuple[GranularFp8, Optional[GranularFp8]]] = None
+                    ) -> torch.Tensor:
     """``x2d @ weight.T + bias`` with FP8 GEMMs under the rowwise or blockwise recipe.
 
     A pure function of its inputs (no state, no caches; a caller may pass the weight's
@@ -213,6 +229,9 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
             (valid only while ``weight`` is unchanged): skips the weight's casts.
         groups: under tensor parallelism with the rowwise recipe, the process groups over
             which operands' rows span shards (:class:`RowGroups`); None: no operand does.
+        x_q: ``input_operands(x2d, config, ...)`` made earlier (with the same ``backend`` and
+            ``groups``) by a caller that shares them between layers reading one tensor: skips
+            the input's casts (made here anyway if it lacks the ``x^T`` that wgrad needs).
 
     Returns:
         ``[M, N]`` in ``x2d.dtype``; gradients come back in the dtypes of x2d, weight, bias.
@@ -244,4 +263,5 @@ def granular_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if groups is not None and any(g is not None for g in groups) and config.recipe != "rowwise":
         raise ValueError(f"granular_linear: RowGroups apply to the rowwise recipe only, got "
                          f"{config.recipe!r} (its tiles and blocks are scaled within a shard)")
-    return GranularLinearFunction.apply(x2d, weight, bias, config, backend, weight_q, groups)
+    return GranularLinearFunction.apply(x2d, weight, bias, config, backend, weight_q, groups,
+                                        x_q, torch.is_grad_enabled())
