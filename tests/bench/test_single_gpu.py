@@ -38,8 +38,14 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert args.shapes == ["1b", "7b-4l", "8b-4l"] and "tiny" not in args.shapes
     assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
                           "fp8_eager_all", "fp8_compiled_all"]
-    # 6 default + 4 optional + 5 ablations + 7 of issue 26's recipes + 6 of issue 35's heads
-    assert len(sg.parse_args(["--modes", "all"]).modes) == 28
+    # 6 default + 4 optional + 5 ablations + 7 of issue 26's recipes + 2 of their eager
+    # ablations (no shared input casts) + 6 of issue 35's heads
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 30
+    for recipe in ("rowwise", "blockwise"):
+        targs = sg.train.parse_args(sg.cell_argv(args, "8b-4l", f"fp8_{recipe}_eager_noshare",
+                                                 "x.json")[2:])
+        assert (targs.fp8_options, targs.compile) == (
+            f"named={recipe},share_input_casts=False", False)
     with pytest.raises(ValueError, match="unknown shape"):
         sg.parse_args(["--shapes", "1b,70b"])
     with pytest.raises(ValueError, match="unknown mode"):
