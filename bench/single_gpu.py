@@ -29,7 +29,9 @@ Modes (bench/train.py config + flags)::
     row), fsdp2_bf16_compiled; ablations: fp8_compiled_kernelcasts (the Triton cast kernel
     as an opaque op under compile: Fp8Config(compiled_casts="kernel")), fp8_eager_noshare
     (Fp8Config(share_input_casts=False)), fp8_rowwise/blockwise_eager_noshare (the same for
-    the granular recipes), bf16/torchao/fp8_compiled_twopass
+    the granular recipes), bf16_eager_fusednorm, fp8_eager_all_fusednorm,
+    fp8_rowwise_eager_fusednorm (--fused-norm: HF's RMSNorm through F.rms_norm, eager; not
+    FP8, hence the BF16 row), bf16/torchao/fp8_compiled_twopass
     (MixedPrecision(fused_master_step=False): the two-pass master-weight step, the default
     before the one-kernel AdamW step; every other single_* mode takes the library default);
     issue 26's recipes: torchao_rowwise_compiled/_eager, fp8_rowwise/blockwise_compiled/_eager,
@@ -136,6 +138,11 @@ MODES: dict[str, tuple[str, list[str]]] = {
                                                         "named=rowwise,share_input_casts=False"]),
     "fp8_blockwise_eager_noshare": ("single_fp8", _ALL + [
         "--fp8-options", "named=blockwise,share_input_casts=False"]),
+    # HF's RMSNorm through F.rms_norm in eager mode (fp8boost.norm): not FP8, so BF16 has it too.
+    "bf16_eager_fusednorm": ("single_bf16", ["--fused-norm"]),
+    "fp8_eager_all_fusednorm": ("single_fp8", _ALL + ["--fused-norm"]),
+    "fp8_rowwise_eager_fusednorm": ("single_fp8", _ALL + ["--fused-norm", "--fp8-options",
+                                                          "named=rowwise"]),
     # Issue 35: the lm_head + loss. hfloss: HF's (full logits), as torchao users train, against
     # the library's fused loss everywhere else; fp8head: the fused loss with an FP8 lm_head.
     "bf16_compiled_hfloss": ("single_bf16", ["--compile", "--fused-lm-loss", "off"]),

@@ -141,6 +141,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "fsdp2_bf16/torchao_fsdp2): on/off = True/False, fp8-rowwise/"
                         "fp8-blockwise = FusedLmLossConfig(fp8_recipe=...), an FP8 lm_head; "
                         "on is the library's default")
+    p.add_argument("--fused-norm", action="store_true",
+                   help="every config: fp8boost.norm.install_fused_rms_norms on the model "
+                        "before boost (HF's Llama RMSNorm through F.rms_norm in eager mode)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="CUDA: profile this many extra steps; kernel ms/step by category")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -250,6 +253,10 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
     args._fp8_layers = None  # set by the setup of an FP8 config (not left from an earlier one)
     args._fused_lm_loss_status = None  # set by setup_booster: "fused" or why not
     model = build_model(args, device)
+    fused_norms = None
+    if getattr(args, "fused_norm", False):
+        from fp8boost.norm import install_fused_rms_norms  # lazy, as every fp8boost import here
+        fused_norms = len(install_fused_rms_norms(model).fused)
     if name in ("fsdp2_bf16", "torchao_fsdp2"):
         model, optimizer, backward, post_step = setup_fsdp2(model, args, device,
                                                             torchao=name == "torchao_fsdp2")
@@ -298,6 +305,8 @@ def measure(name: str, args, device: torch.device, rank: int) -> dict[str, Any]:
         extra["fp8_layers"] = args._fp8_layers
     if getattr(args, "_fused_lm_loss_status", None):
         extra["fused_lm_loss_status"] = args._fused_lm_loss_status
+    if fused_norms is not None:
+        extra["fused_norms"] = fused_norms
     if getattr(args, "profile_steps", 0) and device.type == "cuda":
         import _profile  # bench/_profile.py
         extra["kernels"] = _profile.kernel_breakdown(step, args.profile_steps, device)
@@ -554,7 +563,7 @@ def _child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]
                           ("bucket_m", "fp8_min_numel", "fp8_options", "profile_steps", "layers",
                            "hidden", "ffn", "heads", "kv_heads", "master_step",
                            "fused_lm_loss", "torchao_recipe"),
-                          ("compile", "fused_adamw"))
+                          ("compile", "fused_adamw", "fused_norm"))
 
 
 def run_isolated(args: argparse.Namespace) -> dict[str, Any]:

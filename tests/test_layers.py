@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / "fp8boost"
 # directly under fp8boost/ (_state, hf_model, compile, ...) and fp8boost/data are shared
 # utilities any layer may use; they are checked for cycles only.
 LAYERS = ("colossal", "booster", "export", "plugins", "checkpoint_io", "parallel", "loss",
-          "fp8")
+          "norm", "fp8")
 RANK = {name: len(LAYERS) - i for i, name in enumerate(LAYERS)}
 
 

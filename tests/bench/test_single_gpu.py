@@ -39,8 +39,11 @@ def test_shapes_modes_and_command_lines(sg, capsys):
     assert args.modes == ["bf16_eager", "bf16_compiled", "torchao_compiled", "fp8_eager_default",
                           "fp8_eager_all", "fp8_compiled_all"]
     # 6 default + 4 optional + 5 ablations + 7 of issue 26's recipes + 2 of their eager
-    # ablations (no shared input casts) + 6 of issue 35's heads
-    assert len(sg.parse_args(["--modes", "all"]).modes) == 30
+    # ablations (no shared input casts) + 3 fused-norm eager rows + 6 of issue 35's heads
+    assert len(sg.parse_args(["--modes", "all"]).modes) == 33
+    targs = sg.train.parse_args(sg.cell_argv(args, "8b-4l", "bf16_eager_fusednorm",
+                                             "x.json")[2:])
+    assert (targs.configs, targs.fused_norm, targs.compile) == (["single_bf16"], True, False)
     for recipe in ("rowwise", "blockwise"):
         targs = sg.train.parse_args(sg.cell_argv(args, "8b-4l", f"fp8_{recipe}_eager_noshare",
                                                  "x.json")[2:])
