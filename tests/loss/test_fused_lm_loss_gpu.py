@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8boost.loss import chunked_linear_cross_entropy
+from tests.gpu_timing import least_ms
 
 pytestmark = pytest.mark.gpu
 
@@ -49,28 +50,6 @@ def test_llama3_head_shape_bf16_matches_and_uses_less_memory():
     assert fused_peak < 0.5 * ref_peak, (fused_peak, ref_peak)
 
 
-def _least_ms(fns, reps: int = 7) -> list[float]:
-    """Each function's least time over ``reps`` calls, the functions called in turns after one
-    warm-up call each (Triton casts, cuBLAS heuristics). The GPU suite runs other test files on
-    the same GPU meanwhile, which only ever adds time, and unevenly: timing one function after
-    the other once read the FP8 head at 60.8 ms against BF16's 44.2 (bench/lm_head.py, alone on
-    the GPU, times the FP8 head at 35.8 ms)."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            best[i] = min(best[i], start.elapsed_time(end))
-    return best
-
-
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 def test_llama3_head_shape_fp8_head_is_close_and_faster(recipe):
     """Issue 35 item 2b: the FP8 head (logits and dL/dh GEMMs in FP8) at the Llama-3-8B head
@@ -91,7 +70,7 @@ def test_llama3_head_shape_fp8_head_is_close_and_faster(recipe):
     assert abs(fp8.item() - bf16.item()) / bf16.item() < 1e-2
     assert _rel(h.grad, bf16_g[0]) < 0.1 and _rel(w.grad, bf16_g[1]) < 0.05
     assert fp8.item() != bf16.item()  # the FP8 GEMMs ran
-    t_bf16, t_fp8 = _least_ms([lambda: run(None), lambda: run(recipe)])
+    t_bf16, t_fp8 = least_ms([lambda: run(None), lambda: run(recipe)])
     print(f"fused head fwd+bwd at {N}x{H}x{V}: BF16 {t_bf16:.2f} ms, FP8 {recipe} "
           f"{t_fp8:.2f} ms ({t_bf16 / t_fp8:.2f}x)")
     assert t_fp8 < t_bf16, (t_fp8, t_bf16)

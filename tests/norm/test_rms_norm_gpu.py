@@ -8,29 +8,11 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from fp8boost.norm import install_fused_rms_norms
+from tests.gpu_timing import least_ms
 
 pytestmark = pytest.mark.gpu
 
 M, H = 8192, 4096
-
-
-def _least_ms(fns, reps: int = 7) -> list[float]:
-    """Each function's least time over ``reps`` calls, called in turns after a warm-up call
-    each: other GPU-suite workers share the GPU and only ever add time."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            best[i] = min(best[i], start.elapsed_time(end))
-    return best
 
 
 def test_fused_norm_is_as_exact_and_faster_than_hfs():
@@ -59,7 +41,7 @@ def test_fused_norm_is_as_exact_and_faster_than_hfs():
     assert ((y1.double() - exact).abs() <= ulp).all() and ((y0.double() - exact).abs() <= ulp).all()
     for a, b in ((dx1, dx0), (dw1, dw0)):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
-    t_hf, t_fused = _least_ms([lambda: step(hf), lambda: step(fused)])
+    t_hf, t_fused = least_ms([lambda: step(hf), lambda: step(fused)])
     print(f"RMSNorm fwd+bwd at {M}x{H} BF16: HF {t_hf:.3f} ms, fused {t_fused:.3f} ms "
           f"({t_hf / t_fused:.2f}x)")
     assert t_fused < t_hf, (t_fused, t_hf)
