@@ -15,14 +15,12 @@ from fp8boost.fp8.granular import quantize as Q
 E4M3 = torch.float8_e4m3fn
 KW = {"margin": 0, "power_of_2": False}
 
-def graph_ms(fns, reps=4):
-    for f in fns: f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in fns: f()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") / (reps * len(fns))
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+from cast_granular import timed  # CUDA-graph replays, GRAPH_REPS = 4 rounds, per-call median
+
+
+def graph_ms(fns):
+    return timed(fns, graph=True)
 
 def same(a, b):
     return all(torch.equal(p.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(p.inv_scale, q.inv_scale) for p, q in zip(a, b) if q is not None)

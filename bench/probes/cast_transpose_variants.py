@@ -57,15 +57,12 @@ def kt(x_ptr, qt_ptr, s_ptr, R, C, sr, sc, fmax, BR: tl.constexpr, BC: tl.conste
         tl.store(qt_ptr + offs_c[:, None] * R + offs_r[None, :], qt, mask=mask_t)
 
 
-def graph_ms(fns, reps=4):
-    for f in fns: f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in fns: f()
-    ms = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-    return ms / (reps * len(fns))
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+from cast_granular import timed  # CUDA-graph replays, GRAPH_REPS = 4 rounds, per-call median
+
+
+def graph_ms(fns):
+    return timed(fns, graph=True)
 
 
 out = {}
