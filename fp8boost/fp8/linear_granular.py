@@ -36,7 +36,7 @@ from fp8boost import _state
 from . import shared_cast
 from .config import Fp8Config
 from .granular.function import (RowGroups, carrier_mismatch, granular_linear, input_operands,
-                                weight_operands)
+                                needs_input_t, weight_operands)
 from .granular.gemm import prepare as prepare_granular
 from .granular.quantize import GranularFp8
 from .prequantized import Fp8WeightTensor, PrequantizedWeight, dequantize_weight, transpose_fp8
@@ -118,7 +118,7 @@ def shared_input_operands(src: torch.Tensor, x2d: torch.Tensor, weight: torch.Te
     """
     if not config.share_input_casts or compiling() or isinstance(src, Fp8WeightTensor):
         return None
-    cols = torch.is_grad_enabled() and weight.requires_grad and not config.wgrad_high_precision
+    cols = needs_input_t(config, weight.requires_grad, torch.is_grad_enabled())
     key = ("granular", config.recipe, config.fwd_dtype, config.block_size, config.margin,
            config.power_of_2_scale, getattr(backend, "name", backend),
            (groups or RowGroups()).x, tuple(x2d.shape), x2d.stride(), x2d.dtype)

@@ -113,6 +113,14 @@ def weight_operands(weight: torch.Tensor, cfg: Fp8Config,
                          rows_group=g.w, cols_group=g.wt)
 
 
+def needs_input_t(cfg: Fp8Config, weight_needs_grad: bool, grad: bool) -> bool:
+    """Whether the forward makes the input's ``x^T`` operand: a weight gradient will be
+    computed (grad mode on, the weight requires grad) and in FP8 (not ``wgrad_high_precision``).
+    The one rule for the function and for a caller that casts the input for it
+    (``linear_granular.shared_input_operands``)."""
+    return grad and weight_needs_grad and not cfg.wgrad_high_precision
+
+
 def input_operands(x2d: torch.Tensor, cfg: Fp8Config, *, cols: bool, backend=None,
                    groups: Optional[RowGroups] = None) -> tuple[GranularFp8, Optional[GranularFp8]]:
     """The input's FP8 operands as the forward makes them: ``x`` for fprop and, with ``cols``
@@ -135,7 +143,7 @@ class GranularLinearFunction(torch.autograd.Function):
         need_dgrad = grad and ctx.needs_input_grad[0]
         need_wgrad = grad and ctx.needs_input_grad[1]
         hp_wgrad = need_wgrad and cfg.wgrad_high_precision
-        fp8_wgrad = need_wgrad and not hp_wgrad
+        fp8_wgrad = needs_input_t(cfg, ctx.needs_input_grad[1], grad)
         if x_q is not None and (x_q[1] is not None or not fp8_wgrad):  # made by input_operands
             xq, xq_t = x_q[0], x_q[1] if fp8_wgrad else None
         else:
