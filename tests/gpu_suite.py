@@ -154,12 +154,18 @@ def _start_worker(part: Part, i: int, files: list[str], work: Path, env: dict,
 def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
              kill_s: int) -> tuple[bool, str]:
     """Run one part; returns (ok, its summary line)."""
-    use = gpus[:part.max_gpus]
+    # A caller's CUDA_VISIBLE_DEVICES picks the GPUs (two parts side by side on one machine:
+    # ``CUDA_VISIBLE_DEVICES=0 ... one & CUDA_VISIBLE_DEVICES=2,3 ... multi``); nvidia-smi
+    # lists every GPU whatever it says.
+    ids = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+    ids = ids or [str(i) for i in range(len(gpus))]
+    ids = [i for i in ids if i.isdigit() and int(i) < len(gpus)][:part.max_gpus]
+    use = [gpus[int(i)] for i in ids]
     label = f"[gpu-suite] {part.name + '-gpu':<9} {len(use)}x {use[0] if use else 'no GPU'}"
     if len(use) < part.min_gpus:
         return False, f"{label}: needs {part.min_gpus}+ GPUs, found {len(gpus)}: NOT RUN"
     env = dict(os.environ, **SAFE_ENV, FP8BOOST_GPU_SUITE="1", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(len(use))))
+               CUDA_VISIBLE_DEVICES=",".join(ids))
     t0 = time.monotonic()
     files = _collect(part, env)
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
