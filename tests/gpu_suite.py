@@ -76,6 +76,20 @@ def gpu_names() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+def gpu_ids(n_gpus: int, max_gpus: int, visible: str) -> list[str]:
+    """The GPU indices a part runs on: a caller's CUDA_VISIBLE_DEVICES (``visible``) picks them
+    (two parts side by side on one machine: ``CUDA_VISIBLE_DEVICES=0 ... one &
+    CUDA_VISIBLE_DEVICES=2,3 ... multi``), else every GPU; at most ``max_gpus``. nvidia-smi
+    lists every GPU whatever CUDA_VISIBLE_DEVICES says, hence ``n_gpus``.
+
+    Example:
+        >>> gpu_ids(4, 4, "2,3"), gpu_ids(4, 1, ""), gpu_ids(2, 4, "1,5")
+        (['2', '3'], ['0'], ['1'])
+    """
+    ids = [i.strip() for i in visible.split(",") if i.strip()] or [str(i) for i in range(n_gpus)]
+    return [i for i in ids if i.isdigit() and int(i) < n_gpus][:max_gpus]
+
+
 def deal(files: dict[str, int], workers: int, seconds: dict[str, float]) -> list[list[str]]:
     """Test files into ``workers`` lists, longest first onto the least loaded (LPT).
 
@@ -154,12 +168,7 @@ def _start_worker(part: Part, i: int, files: list[str], work: Path, env: dict,
 def run_part(part: Part, out: Path, gpus: list[str], workers: int, hang_s: int,
              kill_s: int) -> tuple[bool, str]:
     """Run one part; returns (ok, its summary line)."""
-    # A caller's CUDA_VISIBLE_DEVICES picks the GPUs (two parts side by side on one machine:
-    # ``CUDA_VISIBLE_DEVICES=0 ... one & CUDA_VISIBLE_DEVICES=2,3 ... multi``); nvidia-smi
-    # lists every GPU whatever it says.
-    ids = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
-    ids = ids or [str(i) for i in range(len(gpus))]
-    ids = [i for i in ids if i.isdigit() and int(i) < len(gpus)][:part.max_gpus]
+    ids = gpu_ids(len(gpus), part.max_gpus, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     use = [gpus[int(i)] for i in ids]
     label = f"[gpu-suite] {part.name + '-gpu':<9} {len(use)}x {use[0] if use else 'no GPU'}"
     if len(use) < part.min_gpus:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.gpu_suite import ROOT, deal, read_junit
+from tests.gpu_suite import ROOT, deal, gpu_ids, read_junit
 
 _TESTS = '''
 import pytest
@@ -57,3 +57,11 @@ def test_read_junit_and_the_suite_turns_a_gpu_skip_into_a_failure(tmp_path):
     # skip marker acts: JUnit calls that an error); other skips are left alone.
     assert outcomes["test_gpu"] == "error" and outcomes["test_plain_skip"] == "skipped"
     assert read_junit(tmp_path / "missing.xml") == []
+
+
+def test_gpu_ids_follow_the_callers_visible_devices():
+    assert gpu_ids(4, 4, "") == ["0", "1", "2", "3"]
+    assert gpu_ids(4, 1, "") == ["0"]
+    assert gpu_ids(4, 4, "2,3") == ["2", "3"]
+    assert gpu_ids(4, 4, " 1 , 3 ") == ["1", "3"]
+    assert gpu_ids(2, 4, "1,5,GPU-uuid") == ["1"]  # absent or non-index entries are dropped
