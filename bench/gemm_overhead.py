@@ -10,9 +10,15 @@ Rows (each the median of ``--repeats`` timings of ``--calls`` calls):
   * ``op``: ``torch.ops.fp8boost.scaled_mm`` (the dispatcher path compiled graphs take);
   * ``mm``: ``fp8boost.fp8.kernels.gemm.mm`` called directly (no dispatcher);
   * ``scaled_mm``: ``torch._scaled_mm`` (cuBLASLt, C++), the baseline torchao uses;
-  * ``op_fast`` / ``mm_fast``: the same with fast accumulation (the forward's setting).
+  * ``op_fast`` / ``mm_fast``: the same with fast accumulation (the forward's setting);
+  * ``compiled_<path>`` (CUDA, ``--compiled``): one ``torch.compile``d function of
+    ``--graph-gemms`` GEMMs, per GEMM: ``dispatch`` (the graph calls ``fp8boost::scaled_mm``,
+    the op compiled graphs used until 2026-11-29), ``direct`` (``fp8boost::scaled_mm_direct``:
+    kernel chosen at trace time, launched by inductor's wrapper, what ``TritonBackend`` uses
+    now) and ``scaled_mm`` (``torch._scaled_mm`` in the graph, torchao's path).
 
     python bench/gemm_overhead.py                       # CUDA
+    python bench/gemm_overhead.py --compiled            # CUDA, with the compiled-graph rows
     python bench/gemm_overhead.py --device cpu --calls 50   # the reference ops (a smoke run)
 
 Writes JSON (device, versions, date, command, rows) to ``--output``, else $OUT, else
@@ -82,6 +88,44 @@ def rows(device: torch.device, size: int, calls: int, repeats: int) -> list[dict
                 for name, fn in variants.items()]
 
 
+def compiled_rows(size: int, calls: int, repeats: int, gemms: int, fast: bool) -> list[dict]:
+    """Per-GEMM host cost inside a compiled graph of ``gemms`` GEMMs, by path (CUDA only).
+
+    Both fp8boost ops may choose cuBLAS (``allow_cublas``, as ``TritonBackend`` calls them);
+    the row records which kernel the tuner chose for the shape."""
+    import fp8boost.fp8.kernels.gemm_direct  # noqa: F401  (registers the direct op)
+
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(size, size, generator=g).to(device=device, dtype=E4M3)
+    bs = [torch.randn(size, size, generator=g).to(device=device, dtype=E4M3)
+          for _ in range(gemms)]  # distinct operands: no call is a duplicate the graph drops
+    one = torch.ones((), device=device)
+    paths = {
+        "dispatch": lambda b: torch.ops.fp8boost.scaled_mm(a, b, one, one, None,
+                                                           torch.bfloat16, fast, True),
+        "direct": lambda b: torch.ops.fp8boost.scaled_mm_direct(a, b, one, one, None,
+                                                                torch.bfloat16, fast, True),
+        "scaled_mm": lambda b: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                out_dtype=torch.bfloat16, use_fast_accum=fast),
+    }
+    out = []
+    with torch.no_grad():
+        for name, gemm_of in paths.items():
+            torch._dynamo.reset()
+            graph = torch.compile(lambda bs, f=gemm_of: [f(b) for b in bs], fullgraph=True)
+            us = per_call_us(lambda: graph(bs), max(1, calls // gemms), repeats,
+                             lambda: torch.cuda.synchronize(device)) / gemms
+            out.append(dict(variant="compiled_" + name + ("_fast" if fast else ""), size=size,
+                            calls=calls, repeats=repeats, graph_gemms=gemms,
+                            us_per_call=round(us, 2)))
+    from fp8boost.fp8.kernels import gemm
+    for r in out:
+        r["tuned"] = {str(k): str(v) for k, v in gemm._CACHE.best.items()
+                      if k[2] == size and k[7] == fast}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -89,12 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--output", default=None)
+    p.add_argument("--compiled", action="store_true",
+                   help="CUDA: add the compiled-graph rows (compiled_dispatch/direct/scaled_mm)")
+    p.add_argument("--graph-gemms", type=int, default=32,
+                   help="GEMMs per compiled graph (--compiled)")
     args = p.parse_args(argv)
     if args.size % 16 or args.size <= 0:
         raise ValueError(f"--size must be a positive multiple of 16 (FP8 GEMM shapes), got "
                          f"{args.size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a GPU; use --device cpu for a smoke run")
+    if args.compiled and args.device != "cuda":
+        raise ValueError("--compiled times inductor's CUDA wrapper: it needs --device cuda")
+    if args.graph_gemms <= 0:
+        raise ValueError(f"--graph-gemms must be positive, got {args.graph_gemms}")
     device = torch.device(args.device)
     argv = sys.argv if argv is None else ["bench/gemm_overhead.py", *argv]
     env = env_info(argv) if device.type == "cuda" else {
@@ -103,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join(argv)}
     result = dict(env, benchmark="gemm_overhead", size=args.size,
                   rows=rows(device, args.size, args.calls, args.repeats))
+    if args.compiled:
+        for fast in (False, True):
+            result["rows"] += compiled_rows(args.size, args.calls, args.repeats,
+                                            args.graph_gemms, fast)
     for r in result["rows"]:
         print(f"{r['variant']:<14} {r['us_per_call']:9.2f} us/call")
     if args.output:

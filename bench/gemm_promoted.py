@@ -63,7 +63,7 @@ def time_shape(m, n, k, l2) -> dict:
                                                        use_fast_accum=False) for s in sets]))
     rows = []
     for kind, cfg in candidates():
-        launches = [gemm._launcher(s[0], s[1], sa, sb, None, torch.bfloat16, False, True)
+        launches = [gemm.launcher(s[0], s[1], sa, sb, None, torch.bfloat16, False, True)
                     for s in sets]
         try:
             launches[0](cfg)
@@ -100,7 +100,7 @@ def accuracy(k: int = 16384, m: int = 2048, n: int = 2048) -> dict:
     res["triton_fast"] = err(gemm.mm(a, b, sa, sb, None, torch.float32, True))
     for kind, cfg in candidates():
         try:
-            out = gemm._launcher(a, b, sa, sb, None, torch.float32, False, True)(cfg)
+            out = gemm.launcher(a, b, sa, sb, None, torch.float32, False, True)(cfg)
             res[f"{kind} {cfg}"] = err(out)
         except Exception as exc:  # noqa: BLE001
             res[f"{kind} {cfg}"] = f"error: {str(exc)[:120]}"

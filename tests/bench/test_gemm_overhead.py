@@ -27,3 +27,10 @@ def test_bad_size_is_refused():
         import gemm_overhead
         with pytest.raises(ValueError, match="multiple of 16"):
             gemm_overhead.main(["--device", "cpu", "--size", "24"])
+
+
+def test_compiled_rows_need_cuda():
+    with on_bench_path():
+        import gemm_overhead
+        with pytest.raises(ValueError, match="needs --device cuda"):
+            gemm_overhead.main(["--device", "cpu", "--compiled"])

@@ -266,9 +266,58 @@ def test_compile_fwd_bwd_through_custom_ops(casts):
     assert torch.equal(y1, y2)
     assert torch.equal(x1.grad, x2.grad)
     assert torch.equal(layer.weight.grad, ref.weight.grad)
+    # Static shapes: dynamo's graph holds the trace-time-dispatched GEMM (gemm_direct), which
+    # AOT decomposes (here, on CPU, into the reference arithmetic; on CUDA into the chosen
+    # kernel); the cast op stays an opaque node.
+    assert "fp8boost.scaled_mm_direct" in graphs[0].print_readable(print_output=False)
     code = "\n".join(g.code for g in graphs[1:])
-    assert "fp8boost.scaled_mm" in code
+    assert "fp8boost.scaled_mm" not in code
     assert ("fp8boost.quantize" in code) == (casts == "kernel")
+
+
+def test_compile_dynamic_shapes_keep_the_dispatching_gemm_op():
+    """A symbolic token count cannot key the tuner: the graph keeps fp8boost::scaled_mm (the
+    run-time dispatching op) and still matches the emulated backend."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = Fp8Config(backend="emulated")
+    ref = Fp8Linear(64, 48, config=cfg)
+    layer = Fp8Linear(64, 48, config=cfg.replace(compiled_casts="kernel"))
+    layer.load_state_dict(ref.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=_capture(graphs), bw_compiler=_capture(graphs))(
+            gm, example_inputs)
+
+    compiled = torch.compile(_with_triton_backend(layer, "cpu"), backend=backend,
+                             dynamic=True, fullgraph=True)
+    x = torch.randn(3, 8, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = compiled(x)
+    y.float().square().sum().backward()
+    y2 = ref(x2)
+    y2.float().square().sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    aot = "\n".join(g.code for g in graphs)  # the AOT graphs (dynamo's is not kept here)
+    assert aot.count("fp8boost.scaled_mm.default") == 3 and "scaled_mm_direct" not in aot
+
+
+def test_direct_gemm_op_matches_reference_and_opcheck():
+    """fp8boost::scaled_mm_direct on CPU: the reference arithmetic, fake/AOT registrations."""
+    from fp8boost.fp8.kernels import gemm_direct, ops
+
+    a, b = torch.randn(16, 32).to(E4M3), torch.randn(8, 32).to(E4M3)
+    s = torch.tensor(0.5)
+    for bias in (None, torch.randn(8)):
+        got = gemm_direct.scaled_mm_direct(a, b, s, s, bias, torch.bfloat16, True, False)
+        assert torch.equal(got, ops.reference_scaled_mm(a, b, s, s, bias, torch.bfloat16))
+        torch.library.opcheck(torch.ops.fp8boost.scaled_mm_direct.default,
+                              (a, b, s, s, bias, torch.bfloat16, True, False),
+                              test_utils=_OPCHECKS)
+    assert gemm_direct.static_shapes(a, b, None)
 
 
 def _capture(graphs):
@@ -374,7 +423,7 @@ class TestGpu:
             cerr = _rel_err(torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
                                              out_dtype=torch.float32, use_fast_accum=fast), ref)
             for use_tma in (True, False):
-                launch = gemm._launcher(a, b, sa, sb, None, torch.float32, fast, use_tma)
+                launch = gemm.launcher(a, b, sa, sb, None, torch.float32, fast, use_tma)
                 for cfg in cfgs:
                     if cfg.lagged and not use_tma:
                         continue
@@ -412,3 +461,56 @@ class TestGpu:
         y.float().square().mean().backward()
         for t, e in zip((y, xi.grad, layer.weight.grad), outs["triton"]):
             assert _rel_err(t, e.float()) < 1e-2
+
+    @pytest.mark.parametrize("fast", [True, False], ids=["fast", "promoted"])
+    def test_compiled_gemm_is_dispatched_at_trace_time(self, fast):
+        """Under torch.compile the GEMM's kernel is chosen at trace time (tuned there, on
+        stand-in operands): where cuBLAS won, the generated code calls aten._scaled_mm and no
+        fp8boost op; where the Triton kernel won, fp8boost::scaled_mm (which finds the
+        decision cached). Both bit-identical to the eager call."""
+        from torch._inductor.utils import run_and_get_code
+
+        from fp8boost.fp8.kernels import gemm, tuning
+        from fp8boost.fp8.kernels.backend import TritonBackend
+
+        tuning.set_autotune(True)  # the trace-time tuning on stand-ins is under test
+        be = TritonBackend(allow_cublas=True)
+        g = torch.Generator(device="cuda").manual_seed(9)
+        m, n, k = 1536, 1024, 768
+        a = (torch.randn(m, k, device="cuda", generator=g) * 8).to(E4M3 if fast else E5M2)
+        b = torch.randn(n, k, device="cuda", generator=g).to(E4M3)
+        sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
+        key, cands = gemm.candidates(a, b, None, torch.bfloat16, fast, True, True)
+        gemm._CACHE.best.pop(key, None)
+
+        def f(a, b, sa, sb):
+            return be.mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+        def compiled_code():  # the generated code's calls, without its comments
+            torch._dynamo.reset()
+            # The decision is not in dynamo's graph (scaled_mm_direct's arguments), so a cached
+            # AOT/FX artifact of an earlier trace would bring that trace's choice back.
+            with torch._inductor.config.patch(force_disable_caches=True):
+                out, codes = run_and_get_code(torch.compile(f, fullgraph=True), a, b, sa, sb)
+            return out, "\n".join(ln for c in codes for ln in c.splitlines()
+                                  if not ln.strip().startswith("#"))
+
+        out, code = compiled_code()
+        chosen = gemm._CACHE.best[key]  # decided while tracing, on stand-ins
+        assert chosen in cands and key in gemm._CACHE.timings
+        assert "scaled_mm_direct" not in code
+        assert ("fp8boost.scaled_mm" in code) == (chosen != gemm.CUBLAS)
+        assert ("extern_kernels._scaled_mm(" in code) == (chosen == gemm.CUBLAS)
+        assert torch.equal(out, gemm.launcher(a, b, sa, sb, None, torch.bfloat16, fast,
+                                              True)(chosen))
+        # The other branch, forced through the cache: cuBLAS <-> the Triton kernel.
+        other = cands[0] if chosen == gemm.CUBLAS else gemm.CUBLAS
+        gemm._CACHE.best[key] = other
+        try:
+            out2, code2 = compiled_code()
+            assert ("fp8boost.scaled_mm" in code2) == (other != gemm.CUBLAS)
+            assert ("extern_kernels._scaled_mm(" in code2) == (other == gemm.CUBLAS)
+            assert torch.equal(out2, gemm.launcher(a, b, sa, sb, None, torch.bfloat16, fast,
+                                                   True)(other))
+        finally:
+            gemm._CACHE.best[key] = chosen

@@ -3,7 +3,8 @@
 Selected by ``get_backend("triton", device)`` (and by ``auto`` on sm89+). Eager calls go straight
 to the Python launchers in :mod:`.cast` and :mod:`.gemm` (a config-cache lookup and one or two
 kernel launches); under ``torch.compile`` the same kernels are reached through the custom ops of
-:mod:`.ops`, which the compiler can trace.
+:mod:`.ops`, which the compiler can trace, and the GEMM of static-shape graphs through
+:mod:`.gemm_direct` (kernel chosen at trace time, launched by inductor).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from ..backend_base import Fp8Backend
 from ..recompute import compiling as _compiling
 from ..scaling import Fp8Tensor
-from . import cast, gemm, ops
+from . import cast, gemm, gemm_direct, ops
 
 
 class TritonBackend(Fp8Backend):
@@ -54,7 +55,10 @@ class TritonBackend(Fp8Backend):
            out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False) -> torch.Tensor:
         """``a[M,K] @ b[N,K].T * a_inv * b_inv (+ bias)``; see :func:`gemm.mm`."""
         if _compiling():
-            return ops.scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
-                                 bool(use_fast_accum), self.allow_cublas)
+            # The kernel is chosen at trace time and launched by inductor's wrapper
+            # (gemm_direct: less CPU per call); symbolic shapes keep the dispatching op.
+            return gemm_direct.scaled_mm_direct(a, b, a_inv_scale, b_inv_scale, bias,
+                                                out_dtype, bool(use_fast_accum),
+                                                self.allow_cublas)
         return gemm.mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, use_fast_accum,
                        allow_cublas=self.allow_cublas)

@@ -217,12 +217,19 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: t
 
 def _tma_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """TMA needs a unit last stride, 16-byte aligned bases and row strides."""
+    return (tma_layout_ok(a, b, out_dtype) and a.data_ptr() % 16 == 0
+            and b.data_ptr() % 16 == 0)
+
+
+def tma_layout_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """:func:`_tma_ok` from sizes, strides and storage offsets alone (fake operands at trace
+    time have no address; every allocation is at least 16-byte aligned)."""
     if TensorDescriptor is None:
         return False
     n_bytes = b.shape[0] * out_dtype.itemsize
     return (a.stride(1) == 1 and b.stride(1) == 1 and a.stride(0) % 16 == 0
-            and b.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-            and n_bytes % 16 == 0)
+            and b.stride(0) % 16 == 0 and a.storage_offset() % 16 == 0
+            and b.storage_offset() % 16 == 0 and n_bytes % 16 == 0)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
@@ -261,20 +268,52 @@ def mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tenso
     b_inv = b_inv.reshape(()).float()
     bias = bias.contiguous() if bias is not None else None
     use_tma = not force_pointer and _tma_ok(a, b, out_dtype)
-    launch = _launcher(a, b, a_inv, b_inv, bias, out_dtype, use_fast_accum, use_tma)
+    launch = launcher(a, b, a_inv, b_inv, bias, out_dtype, use_fast_accum, use_tma)
     if interpreting():
         return launch(_INTERP_CONFIG)
-    cands = list(FAST_CONFIGS if use_fast_accum else PRECISE_CONFIGS)
+    key, cands = candidates(a, b, bias, out_dtype, use_fast_accum, use_tma, allow_cublas)
+    cfg = _CACHE.pick(key, cands, launch)
+    if cfg == CUBLAS and not use_fast_accum:
+        _log_cublas_promoted()
+    return launch(cfg)
+
+
+def candidates(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
+               out_dtype: torch.dtype, use_fast_accum: bool, use_tma: bool,
+               allow_cublas: bool) -> tuple[tuple, list]:
+    """The config-cache key of this GEMM and the configs timed for it (shapes and dtypes only:
+    also called on the fake operands of a compiled graph, :mod:`.gemm_direct`)."""
+    (M, K), N = a.shape, b.shape[0]
+    cands: list = list(FAST_CONFIGS if use_fast_accum else PRECISE_CONFIGS)
     if not use_tma:
         cands = [c for c in cands if not c.lagged]
     if allow_cublas and _cublas_ok(a, b, bias, out_dtype):
         cands.append(CUBLAS)
     key = (use_tma, bucket(M), N, K, a.dtype, b.dtype, out_dtype, use_fast_accum,
            bias is not None, allow_cublas, a.device.index)
-    cfg = _CACHE.pick(key, cands, launch)
-    if cfg == CUBLAS and not use_fast_accum:
+    return key, cands
+
+
+def decide(key: tuple, cands: list, launch_on_standins) -> object:
+    """The cached config for ``key``; on a miss ``launch_on_standins()`` gives a launcher over
+    real operands of the same layout, which the cache times (:mod:`.gemm_direct`)."""
+    cfg = _CACHE.best.get(key)
+    if cfg is None:
+        cfg = _CACHE.pick(key, cands, launch_on_standins())
+    if cfg == CUBLAS and not key[7]:  # key[7]: use_fast_accum
         _log_cublas_promoted()
-    return launch(cfg)
+    return cfg
+
+
+def kernel_meta(cfg: GemmConfig, sms: int, has_bias: bool, out_dtype: torch.dtype, fast: bool,
+                use_tma: bool) -> dict:
+    """The Triton launch arguments (constexprs, stages, warps) of ``cfg``."""
+    promote = None if fast else min(cfg.promote, cfg.block_k)
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, NUM_SMS=sms, HAS_BIAS=has_bias, SUBTILE=cfg.subtile,
+                PROMOTE=promote, OUT_DTYPE=_TL_OUT[out_dtype],
+                LAGGED=bool(cfg.lagged and not fast and use_tma), num_stages=cfg.stages,
+                num_warps=cfg.warps)
 
 
 def _log_cublas_promoted() -> None:
@@ -294,12 +333,11 @@ def _cublas_ok(a, b, bias, out_dtype) -> bool:
             and (bias is None or (out_dtype == torch.bfloat16 and bias.dtype == out_dtype)))
 
 
-def _launcher(a, b, a_inv, b_inv, bias, out_dtype, fast, use_tma):
+def launcher(a, b, a_inv, b_inv, bias, out_dtype, fast, use_tma):
     """A closure that runs the GEMM with a given config and returns the output."""
     M, K = a.shape
     N = b.shape[0]
     sms = num_sms(a.device)
-    out_tl = _TL_OUT[out_dtype]
     bias_arg = bias if bias is not None else a_inv  # never read when HAS_BIAS=False
 
     def launch(cfg) -> torch.Tensor:
@@ -309,12 +347,7 @@ def _launcher(a, b, a_inv, b_inv, bias, out_dtype, fast, use_tma):
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         grid = (min(sms, tiles),)
-        promote = None if fast else min(cfg.promote, cfg.block_k)
-        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    GROUP_M=cfg.group_m, NUM_SMS=sms, HAS_BIAS=bias is not None,
-                    SUBTILE=cfg.subtile, PROMOTE=promote, OUT_DTYPE=out_tl,
-                    LAGGED=bool(cfg.lagged and not fast and use_tma),
-                    num_stages=cfg.stages, num_warps=cfg.warps)
+        meta = kernel_meta(cfg, sms, bias is not None, out_dtype, fast, use_tma)
         if use_tma:
             bn_c = cfg.block_n // 2 if cfg.subtile else cfg.block_n
             a_d = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])

@@ -72,6 +72,12 @@ def scaled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
               bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool,
               allow_cublas: bool = False) -> Tensor:
     """Reference implementation: FP32 matmul of the dequantized operands."""
+    return reference_scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
+
+
+def reference_scaled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
+                        bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """``scaled_mm``'s arithmetic on any device: FP32 matmul of the dequantized operands."""
     out = (a.float() * a_inv_scale.float()) @ (b.float() * b_inv_scale.float()).t()
     if bias is not None:
         out = out + bias.float()

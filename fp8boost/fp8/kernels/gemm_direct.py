@@ -1,0 +1,116 @@
+"""``fp8boost::scaled_mm_direct``: the FP8 GEMM of compiled graphs, dispatched at trace time.
+
+Why: a compiled graph that calls :func:`ops.scaled_mm` (a Python custom op) pays the
+dispatcher, :func:`gemm.mm`'s checks, the config-cache lookup, three descriptor objects and
+Triton's Python launcher on every call: 113-140 us of CPU per GEMM on an H200, against 19 us
+for ``torch._scaled_mm`` (``bench/gemm_overhead.py``, 2026-11-29). Where the CPU sets the pace
+(FSDP/Gemini with 32 layers on 4 GPUs: BENCHMARKS.md, "4 GPUs") that is the step's time.
+
+Here the choice of kernel is made once, when the graph is traced: the shape's tuned config
+(timed then, on stand-in operands of the same shape, if no earlier call or decisions file has
+it). Where cuBLAS was measured faster (most promoted-accumulation GEMMs: dgrad, wgrad) the
+traced body holds ``aten._scaled_mm``, which inductor calls from its wrapper as torchao's
+graphs do. Where the Triton kernel won, the body holds :func:`ops.scaled_mm`, which finds the
+decision in the cache at run time. (Launching the Triton kernel itself from inductor's wrapper,
+``wrap_triton``, fails on torch 2.11 with its host-side TMA descriptors.)
+
+The decision is not an argument of the op in dynamo's graph, so inductor's caches (AOT and FX
+graph, in memory and on disk) keep the kernel that the first trace of a graph chose. Both
+kernels compute the same GEMM; a decisions file re-tuned to another kernel takes effect once
+those caches miss (``torch._inductor.config.force_disable_caches``).
+
+Every device other than CUDA gets :func:`ops.scaled_mm`'s reference arithmetic, traced as plain
+torch ops. Eager calls do not come here (:class:`TritonBackend` calls :func:`gemm.mm`).
+
+Example:
+    >>> import torch
+    >>> from fp8boost.fp8.kernels.gemm_direct import scaled_mm_direct
+    >>> a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    >>> b = torch.randn(8, 32).to(torch.float8_e4m3fn)
+    >>> one = torch.ones(())
+    >>> scaled_mm_direct(a, b, one, one, None, torch.bfloat16, True, False).shape
+    torch.Size([16, 8])
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from .ops import reference_scaled_mm  # also registers fp8boost::scaled_mm
+
+
+def static_shapes(*tensors: Optional[Tensor]) -> bool:
+    """Whether every size and stride is a plain int (a symbolic one cannot key the tuner)."""
+    return all(t is None or all(type(d) is int for d in (*t.shape, *t.stride()))
+               for t in tensors)
+
+
+@triton_op("fp8boost::scaled_mm_direct", mutates_args=())
+def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
+                     bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool,
+                     allow_cublas: bool) -> Tensor:
+    """``(a @ b.T) * a_inv * b_inv (+ bias)``, the kernel chosen at trace time (CUDA)."""
+    if not static_shapes(a, b, bias):
+        # A symbolic size (a dynamic graph) cannot key the tuner: the graph gets the op that
+        # dispatches at run time instead (this body is what the graph records).
+        return torch.ops.fp8boost.scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
+                                            use_fast_accum, allow_cublas)
+    if a.device.type != "cuda":
+        return reference_scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
+    from . import gemm  # lazy: imports triton (absent from some CPU installs)
+
+    gemm.check_inputs(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
+    M, K = a.shape
+    N = b.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        out = torch.zeros((M, N), dtype=torch.float32, device=a.device)
+        return (out + bias.float() if bias is not None else out).to(out_dtype)
+    a_inv = a_inv_scale.reshape(()).float()
+    b_inv = b_inv_scale.reshape(()).float()
+    bias = bias.contiguous() if bias is not None else None
+    use_tma = gemm.tma_layout_ok(a, b, out_dtype)
+    key, cands = gemm.candidates(a, b, bias, out_dtype, use_fast_accum, use_tma, allow_cublas)
+    cfg = gemm.decide(key, cands, lambda: _standin_launcher(a, b, bias, out_dtype,
+                                                            use_fast_accum, use_tma))
+    if cfg == gemm.CUBLAS:
+        return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    # The Triton kernel stays behind the run-time op: torch 2.11's triton_op tracing cannot
+    # take its host-side TMA descriptors (KeyError in identify_mutated_tensors, then fake
+    # tensors in inductor's cache key: measured on the H200, 2026-11-29). The op finds this
+    # decision in the config cache, so it does not tune again.
+    return torch.ops.fp8boost.scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
+                                        use_fast_accum, allow_cublas)
+
+
+def _standin_launcher(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype,
+                      fast: bool, use_tma: bool):
+    """A launcher over real random operands laid out like ``a``/``b``, for the tuner.
+
+    At trace time ``a``/``b`` are fake (no memory); the tuner must time real kernels, so it
+    times them on stand-ins, outside every tracing mode (fake, functional, proxy).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from . import gemm
+
+    with _disable_current_modes(), torch.no_grad():
+        def like(t: Tensor) -> Tensor:
+            real = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                       device=t.device)
+            return real.copy_(torch.randn(tuple(t.shape), device=t.device).to(t.dtype))
+
+        ra, rb = like(a), like(b)
+        one = torch.ones((), device=a.device)
+        rbias = torch.randn(tuple(bias.shape), device=a.device).to(bias.dtype) \
+            if bias is not None else None
+        run = gemm.launcher(ra, rb, one, one, rbias, out_dtype, fast, use_tma)
+
+    def launch(cfg):
+        with _disable_current_modes(), torch.no_grad():
+            return run(cfg)
+
+    return launch
