@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.library import triton_op
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .ops import reference_scaled_mm  # also registers fp8boost::scaled_mm
 
@@ -93,9 +94,7 @@ def _standin_launcher(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: t
     At trace time ``a``/``b`` are fake (no memory); the tuner must time real kernels, so it
     times them on stand-ins, outside every tracing mode (fake, functional, proxy).
     """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from . import gemm
+    from . import gemm  # lazy: imports triton (absent from some CPU installs)
 
     with _disable_current_modes(), torch.no_grad():
         def like(t: Tensor) -> Tensor:
