@@ -42,7 +42,8 @@ class LocalPlugin(Plugin):
         super().__init__(precision="bf16" if fp8 else mixed_precision.precision, use_fp8=fp8,
                          fp8_config=mixed_precision.fp8_config,
                          max_norm=mixed_precision.max_norm,
-                         fused_lm_loss=mixed_precision.fused_lm_loss)
+                         fused_lm_loss=mixed_precision.fused_lm_loss,
+                         fused_norm=mixed_precision.fused_norm)
         self.mp = mixed_precision
         self.fused_master_step = mixed_precision.fused_master_step
 

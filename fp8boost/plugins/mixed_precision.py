@@ -51,8 +51,15 @@ class MixedPrecision:
     in training then return ``logits=None`` (``PluginOptions.fused_lm_loss`` says when it
     applies and why it is on by default)."""
 
+    fused_norm: bool = False
+    """Run HF's Llama-formula RMSNorms through ``F.rms_norm`` in eager mode
+    (``PluginOptions.fused_norm``)."""
+
     def __post_init__(self) -> None:
         check_precision(self.precision, MIXED_PRECISIONS)
+        if not isinstance(self.fused_norm, bool):
+            raise TypeError(f"MixedPrecision.fused_norm must be True or False, got "
+                            f"{self.fused_norm!r}")
         resolve_fused_lm_loss(self.fused_lm_loss)  # raises TypeError on anything else
         check_fp8_config(self.fp8_config)
         object.__setattr__(self, "max_norm", check_max_norm(self.max_norm))

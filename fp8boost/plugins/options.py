@@ -152,9 +152,17 @@ class PluginOptions:
     which, and why). The cost: those forwards return ``logits=None`` (the logits are what is
     not built); False keeps them. A ``FusedLmLossConfig`` sets the chunk size."""
 
+    fused_norm: bool = False
+    """Run the model's HF RMSNorms with Llama's formula through ``F.rms_norm`` in eager mode
+    (``fp8boost.norm.install_fused_rms_norms``, step 3b of ``configure``): one call instead of
+    HF's six or so eager kernels each way; under ``torch.compile`` the model's own forward
+    runs (inductor fuses it). Not FP8: a BF16 run gains the same. Outputs differ from HF's by
+    at most one unit in the last place (one rounding instead of two). Colossal-AI's
+    ``enable_fused_normalization`` / ``enable_all_optimization`` turn it on."""
+
     def __post_init__(self) -> None:
         check_precision(self.precision)
-        for name in ("use_fp8", "fp8_communication", "fp8_reduce_scatter"):
+        for name in ("use_fp8", "fp8_communication", "fp8_reduce_scatter", "fused_norm"):
             check_bool(name, getattr(self, name))
         if self.fp8_reduce_scatter and not self.fp8_communication:
             raise ValueError("fp8_reduce_scatter=True needs fp8_communication=True")

@@ -32,6 +32,7 @@ from fp8boost import _state
 from fp8boost.checkpoint_io import GeneralCheckpointIO
 from fp8boost.checkpoint_io.pretrained import load_remembered
 from fp8boost.loss import install_fused_lm_loss
+from fp8boost.norm import FusedNormReport, install_fused_rms_norms
 from fp8boost.parallel.comm.plan import CommPlan, build_comm_plan
 from fp8boost.parallel.comm.report import CommReport
 from fp8boost.parallel.distributed import default_device, init_distributed
@@ -238,7 +239,8 @@ class Plugin(ABC):
         lr_scheduler). Called by ``Booster.boost``.
 
         The steps, in this order (each a method below): ``validate`` (before any collective)
-        -> ``setup_distributed`` -> ``build_model`` (move, cast; materialize) -> ``convert_fp8``
+        -> ``setup_distributed`` -> ``build_model`` (move, cast; materialize) -> ``fuse_norms``
+        -> ``convert_fp8``
         -> ``plan_comm`` -> ``parallelize`` (broadcast, shard, split) -> ``fuse_lm_loss`` ->
         ``wrap_optimizer`` ->
         ``bind_checkpoint_io``; then the model is wrapped and the dataloader sharded over dp.
@@ -248,6 +250,7 @@ class Plugin(ABC):
         self.validate(model, optimizer)
         device = self.setup_distributed(device)
         self.build_model(model, optimizer, device)
+        self.norm_report = self.fuse_norms(model)
         self.fp8_report = self.convert_fp8(model)
         self.comm_plan = self.plan_comm(model)
         module = self.parallelize(model, device)
@@ -282,6 +285,11 @@ class Plugin(ABC):
         meta device (``LazyInitContext``) is materialized first (:func:`materialize_replica`)."""
         materialize_replica(model, optimizer, device)
         move_and_cast(model, self.precision, device)
+
+    def fuse_norms(self, model: nn.Module) -> Optional[FusedNormReport]:
+        """Step 3b: HF's Llama-formula RMSNorms through ``F.rms_norm`` in eager mode
+        (``fused_norm``), on the model in its working dtype; the report, or None when off."""
+        return install_fused_rms_norms(model) if self.fused_norm else None
 
     def convert_fp8(self, model: nn.Module):
         """Step 4: swap eligible linears for FP8 ones (``use_fp8``); the ConversionReport.

@@ -137,3 +137,21 @@ def test_a_fused_model_pickles_deep_copies_and_compiles_without_breaks():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model.model.norm)(torch.randn(2, 16, 64).bfloat16())
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_boost_installs_it_with_fused_norm_and_not_by_default():
+    from fp8boost.booster import Booster, MixedPrecision
+    for on in (True, False):
+        model = _llama(torch.float32)
+        booster = Booster(mixed_precision=MixedPrecision(precision="bf16", fused_norm=on))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt, *_ = booster.boost(model, opt)
+        report = booster.plugin.norm_report
+        norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+        assert all(isinstance(m.__dict__.get("forward"), FusedForward) == on for m in norms)
+        assert (len(report.fused) if on else report) == (5 if on else None)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+        booster.backward(model(ids, labels=ids).loss, opt)
+        opt.step()
+    with pytest.raises(TypeError, match="fused_norm"):
+        MixedPrecision(precision="bf16", fused_norm="yes")

@@ -108,8 +108,7 @@ def test_defaults_are_silent(caplog):
 
 @pytest.mark.parametrize("cls, kwargs, words", [
     (HybridParallelPlugin, dict(enable_flash_attention=True), ["SDPA"]),
-    (HybridParallelPlugin, dict(enable_fused_normalization=True), ["own normalization"]),
-    (HybridParallelPlugin, dict(enable_all_optimization=True), ["model's own modules"]),
+    (HybridParallelPlugin, dict(enable_all_optimization=True), ["fused_norm=True", "SDPA"]),
     (HybridParallelPlugin, dict(enable_jit_fused=True), ["model's own modules"]),
     (HybridParallelPlugin, dict(enable_metadata_cache=False), ["pipelining"]),
     (HybridParallelPlugin, dict(overlap_p2p=False), ["pipelining"]),
@@ -134,6 +133,21 @@ def test_tuning_arguments_log_one_info_line_once(caplog, cls, kwargs, words):
     cls(**kwargs)  # once per process
     (line,) = _infos(caplog)
     assert all(w in line for w in words), line
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("cls", [HybridParallelPlugin, GeminiPlugin, MoeHybridParallelPlugin],
+                         ids=lambda c: c.__name__)
+def test_fused_normalization_maps_onto_fused_norm(cls, caplog):
+    # Colossal-AI's Shardformer swaps in its fused RMSNorm; fp8boost runs HF's RMSNorms through
+    # F.rms_norm (fused_norm, fp8boost.norm), no INFO line for it.
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert cls(enable_fused_normalization=True).fused_norm is True
+    assert _infos(caplog) == []
+    assert cls(enable_all_optimization=True).fused_norm is True
+    assert cls().fused_norm is False and cls(fused_norm=True).fused_norm is True
+    with pytest.raises(TypeError, match="enable_fused_normalization"):
+        cls(enable_fused_normalization=1)
     assert not dist.is_initialized()
 
 

@@ -16,31 +16,31 @@ NATIVE = {
     "TorchDDPPlugin": (
         "use_fp8 fp8_communication",
         "broadcast_buffers bucket_cap_mb comm_config find_unused_parameters fp8_config "
-        "fused_lm_loss gradient_as_bucket_view max_norm precision static_graph"),
+        "fused_lm_loss fused_norm gradient_as_bucket_view max_norm precision static_graph"),
     "LowLevelZeroPlugin": (
         "stage precision use_fp8 fp8_communication",
-        "comm_config cpu_offload fp8_config fp8_param_gather fp8_reduce_scatter fused_lm_loss "
+        "comm_config cpu_offload fp8_config fp8_param_gather fp8_reduce_scatter fused_lm_loss fused_norm "
         "growth_interval initial_scale master_weights max_norm overlap_communication "
         "reduce_bucket_size_in_m"),
     "GeminiPlugin": (
         "precision max_norm norm_type",
         "comm_config enable_gradient_accumulation fp8_communication fp8_config "
-        "fp8_reduce_scatter fused_lm_loss growth_interval initial_scale offload_optim_frac "
+        "fp8_reduce_scatter fused_lm_loss fused_norm growth_interval initial_scale offload_optim_frac "
         "offload_param_frac reshard_after_forward use_fp8"),
     "TorchFSDPPlugin": (
         "precision max_norm",
-        "comm_config cpu_offload fp8_communication fp8_config fp8_reduce_scatter fused_lm_loss "
+        "comm_config cpu_offload fp8_communication fp8_config fp8_reduce_scatter fused_lm_loss fused_norm "
         "growth_interval initial_scale param_init_fn reshard_after_forward use_fp8"),
     "HybridParallelPlugin": (
         "tp_size pp_size precision zero_stage enable_sequence_parallelism "
         "sequence_parallelism_mode max_norm custom_policy use_fp8 fp8_communication fp8_config",
-        "comm_config cpu_offload fp8_reduce_scatter fused_lm_loss gradient_checkpoint_config "
+        "comm_config cpu_offload fp8_reduce_scatter fused_lm_loss fused_norm gradient_checkpoint_config "
         "growth_interval initial_scale microbatch_size num_layers_per_stage num_microbatches "
         "num_model_chunks overlap_communication pp_style reduce_bucket_size_in_m sp_size"),
     "MoeHybridParallelPlugin": (
         "tp_size pp_size ep_size precision zero_stage",
         "comm_config cpu_offload custom_policy fp8_communication fp8_config fp8_reduce_scatter "
-        "fused_lm_loss gradient_checkpoint_config growth_interval initial_scale max_norm "
+        "fused_lm_loss fused_norm gradient_checkpoint_config growth_interval initial_scale max_norm "
         "microbatch_size moe_dp_outside num_layers_per_stage num_microbatches "
         "num_model_chunks pp_style reduce_bucket_size_in_m use_fp8"),
 }

@@ -88,7 +88,7 @@ BEFORE = {
 #: shared options a plugin does not take (DDP has no loss-scaling arguments and its FP8 hook
 #: already all-reduces gradients in FP8)
 #: shared options added since that snapshot, keyword-only at the end of every signature
-ADDED = {"fused_lm_loss": True}
+ADDED = {"fused_lm_loss": True, "fused_norm": False}
 
 NOT_TAKEN = {"TorchDDPPlugin": {"fp8_reduce_scatter", "initial_scale", "growth_interval"}}
 

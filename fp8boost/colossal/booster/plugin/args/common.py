@@ -133,14 +133,30 @@ def check_bools(**values: object) -> None:
 
 MODEL_OWN = "fp8boost runs the model's own modules (SDPA attention, its normalization)"
 SHARDFORMER_TUNING = MappingProxyType({
-    "enable_all_optimization": (False, MODEL_OWN),
-    "enable_fused_normalization": (False, "fp8boost runs the model's own normalization layers"),
     "enable_flash_attention": (False, "fp8boost runs the model's own attention (SDPA, which "
                                       "uses flash attention through PyTorch)"),
     "enable_jit_fused": (False, MODEL_OWN),
 })
 """Colossal-AI's Shardformer switches (name -> (default, what fp8boost does instead)), taken
-by the Gemini, Hybrid and MoE plugins."""
+by the Gemini, Hybrid and MoE plugins. ``enable_fused_normalization`` and
+``enable_all_optimization`` are not here: they map onto fp8boost's ``fused_norm``
+(:func:`map_fused_norm`)."""
+
+
+def map_fused_norm(plugin: str, native: dict, enable_fused_normalization: bool,
+                   enable_all_optimization: bool) -> None:
+    """Colossal-AI's ``enable_fused_normalization`` (or ``enable_all_optimization``) turns on
+    fp8boost's ``fused_norm`` in the native arguments ``native`` (in place): HF's RMSNorms
+    through ``F.rms_norm``, as Colossal-AI's Shardformer swaps in its fused RMSNorm.
+    ``enable_all_optimization`` logs once what it does and does not turn on."""
+    check_bools(enable_fused_normalization=enable_fused_normalization,
+                enable_all_optimization=enable_all_optimization)
+    native["fused_norm"] = bool(native.get("fused_norm", False) or enable_fused_normalization
+                                or enable_all_optimization)
+    if enable_all_optimization:
+        log_info(plugin, "enable_all_optimization", "enable_all_optimization=True: fp8boost "
+                 "fuses the model's RMSNorms (fused_norm=True); for the rest of Colossal-AI's "
+                 "kernels it runs the model's own modules (SDPA attention, its activations)")
 
 
 def tuning_rows(values: Mapping[str, object], table: Mapping[str, tuple]) -> list[tuple]:

@@ -16,7 +16,8 @@ from torch import nn
 from fp8boost import plugins
 
 from .common import LOSS_SCALE_DEFAULTS, SHARDFORMER_TUNING, check_bools, check_type, \
-    log_info, log_tuning, loss_scale_args, pick, takes_colossal_args, tuning_rows
+    log_info, log_tuning, loss_scale_args, map_fused_norm, pick, takes_colossal_args, \
+    tuning_rows
 
 #: The Colossal-AI arguments ``GeminiPlugin.__init__`` passes to ``gemini_args`` (by name).
 GEMINI_ARGS = (
@@ -202,6 +203,7 @@ class GeminiPlugin(plugins.GeminiPlugin):
                  enable_sequence_parallelism: bool = False, enable_jit_fused: bool = False,
                  verbose: bool = False, **native) -> None:
         colossal = {name: value for name, value in locals().items() if name in GEMINI_ARGS}
+        map_fused_norm("gemini", native, enable_fused_normalization, enable_all_optimization)
         super().__init__(**native)
         mapped = gemini_args(self.precision, colossal)
         self.loss_scale_kwargs = mapped["loss_scale_kwargs"]

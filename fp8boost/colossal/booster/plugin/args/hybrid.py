@@ -15,7 +15,8 @@ from fp8boost import plugins
 from fp8boost.plugins.grad_ckpt import check_ckpt_config
 
 from .common import LOSS_SCALE_DEFAULTS, SHARDFORMER_TUNING, check_bools, check_comm_dtype, \
-    check_type, log_info, log_tuning, loss_scale_args, pick, takes_colossal_args, tuning_rows
+    check_type, log_info, log_tuning, loss_scale_args, map_fused_norm, pick, \
+    takes_colossal_args, tuning_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +182,7 @@ class HybridParallelPlugin(plugins.HybridParallelPlugin):
                  overlap_allgather: bool = False, inner_ring_size: Optional[int] = None,
                  **native) -> None:
         args = locals()  # this call's Colossal-AI arguments, handed on by name (pick)
+        map_fused_norm("hybrid", native, enable_fused_normalization, enable_all_optimization)
         reduce_bucket_size_in_m = native["reduce_bucket_size_in_m"]
         native["reduce_bucket_size_in_m"] = zero_bucket(reduce_bucket_size_in_m,
                                                         zero_bucket_size_in_m)

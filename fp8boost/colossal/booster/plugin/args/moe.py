@@ -26,8 +26,8 @@ import torch
 from fp8boost import plugins
 from fp8boost.parallel.sp.setup import check_sp_args
 
-from .common import LOSS_SCALE_DEFAULTS, check_bools, log_info, loss_scale_args, pick, \
-    takes_colossal_args
+from .common import LOSS_SCALE_DEFAULTS, check_bools, log_info, loss_scale_args, \
+    map_fused_norm, pick, takes_colossal_args
 from .hybrid import TUNING_NAMES, hybrid_args, zero_bucket
 
 # The MoE plugin has neither sequence overlap nor a dp_outside switch (moe_args fixes both).
@@ -133,6 +133,7 @@ class MoeHybridParallelPlugin(plugins.MoeHybridParallelPlugin):
                  enable_metadata_cache: bool = True, make_vocab_size_divisible_by: int = 64,
                  overlap_p2p: bool = True, overlap_allgather: bool = False, **native) -> None:
         args = locals()  # this call's Colossal-AI arguments, handed on by name (pick)
+        map_fused_norm(PLUGIN, native, enable_fused_normalization, enable_all_optimization)
         native["reduce_bucket_size_in_m"] = zero_bucket(native["reduce_bucket_size_in_m"],
                                                         zero_bucket_size_in_m)
         super().__init__(**native)
