@@ -7,7 +7,9 @@ then the tp shards are gathered as ``HybridParallelPlugin``'s export does); they
 ep and tp size. Optimizer state saved at one tp size and loaded at another is refused
 (``ValueError``). With ``pp_size > 1`` the model files are gathered over pp too (each stage's
 tensors sent to rank 0 by their owner, ``hybrid_pp``) and load at any pp, ep and tp size;
-optimizer state under pp is refused (:func:`refuse_pipeline_optimizer`).
+optimizer state is kept per stage (one sub-directory per stage, ep and tp rank): it loads at
+the saved pp size (re-split over ep, dp and ZeRO stage as without pp), another pp size is
+refused (``ValueError``).
 
 Optimizer directory (``save_optimizer``; also ``optimizer/`` inside ``save_checkpoint``)::
 
@@ -62,31 +64,19 @@ MOE_OPTIM_INDEX = "moe_optimizer.index.json"
 MOE_OPTIM_FORMAT = "fp8boost-moe-optimizer-v1"
 
 
-def ep_subdir(ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+def ep_subdir(ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1,
+              pp_rank: int = 0, pp_size: int = 1) -> str:
     """The sub-directory holding ep rank ``ep_rank``'s optimizer state (and, with
-    ``tp_size > 1``, tp rank ``tp_rank``'s: its tp shards of the non-expert parameters)."""
-    tp = f"-tp{tp_rank:05d}-of-{tp_size:05d}" if tp_size > 1 else ""
-    return f"ep{ep_rank:05d}-of-{ep_size:05d}{tp}"
+    ``tp_size > 1``, tp rank ``tp_rank``'s: its tp shards of the non-expert parameters; with
+    ``pp_size > 1``, pipeline stage ``pp_rank``'s: the parameters of its layers).
 
-
-def refuse_pipeline_optimizer(plugin, what: str) -> None:
-    """Raise before any collective if ``plugin`` runs pipeline stages (no process group use).
-
-    The optimizer format here is one directory per (ep, tp) rank, positional over the
-    optimizer's parameters; under pp every stage holds other parameters, and neither a
-    per-stage directory nor a name-keyed merge over stages (``hybrid_pp``'s DCP path) exists
-    for the per-ep expert slices yet.
-
-    Raises:
-        ValueError: ``plugin.pp_size > 1``.
+    Example:
+        >>> ep_subdir(1, 2), ep_subdir(0, 2, pp_rank=1, pp_size=2)
+        ('ep00001-of-00002', 'ep00000-of-00002-pp00001-of-00002')
     """
-    if plugin.pp_size > 1:
-        raise ValueError(
-            f"MoeHybridParallelPlugin(pp_size={plugin.pp_size}): {what} of the optimizer is not "
-            "implemented under pipeline parallelism (the MoE optimizer directories are per ep "
-            "and tp rank, without per-stage sub-directories or a merge of the stages' "
-            "parameters); save the model (booster.save_model / save_checkpoint without an "
-            "optimizer) or train with pp_size=1 to checkpoint the optimizer")
+    tp = f"-tp{tp_rank:05d}-of-{tp_size:05d}" if tp_size > 1 else ""
+    pp = f"-pp{pp_rank:05d}-of-{pp_size:05d}" if pp_size > 1 else ""
+    return f"ep{ep_rank:05d}-of-{ep_size:05d}{tp}{pp}"
 
 
 class MoeCheckpointIO(GeneralCheckpointIO):
@@ -132,28 +122,21 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         plugin = self.plugin
         return {"ep_size": plugin.ep_size, "dp_size": dist.get_world_size(plugin.moe_dp_group),
                 "world_size": dist.get_world_size(), "zero_stage": plugin.zero_stage,
-                "tp_size": plugin.tp_size}
+                "tp_size": plugin.tp_size, "pp_size": plugin.pp_size}
+
+    def _pp_rank(self) -> int:
+        """This rank's pipeline rank (0 without pp)."""
+        sm = self.plugin.stage_manager
+        return sm.stage if sm is not None else 0
 
     def _subdir(self, ep_rank: int, ep_size: int) -> str:
-        """``ep_subdir`` for this rank's tp rank (tp ranks hold different non-expert shards)."""
+        """``ep_subdir`` for this rank's tp rank (tp ranks hold different non-expert shards)
+        and pipeline rank (stages hold different layers)."""
         st = self.plugin.tp_state
         return ep_subdir(ep_rank, ep_size, st.rank if st is not None else 0,
-                         self.plugin.tp_size)
-
-    def save_checkpoint(self, path: str, model: nn.Module, optimizer=None, lr_scheduler=None,
-                        extra: Optional[dict] = None) -> None:
-        if optimizer is not None:
-            refuse_pipeline_optimizer(self.plugin, "save_checkpoint")
-        super().save_checkpoint(path, model, optimizer, lr_scheduler, extra)
-
-    def load_checkpoint(self, path: str, model: nn.Module, optimizer=None,
-                        lr_scheduler=None) -> dict:
-        if optimizer is not None:
-            refuse_pipeline_optimizer(self.plugin, "load_checkpoint")
-        return super().load_checkpoint(path, model, optimizer, lr_scheduler)
+                         self.plugin.tp_size, self._pp_rank(), self.plugin.pp_size)
 
     def save_optimizer(self, optimizer, path: str) -> None:
-        refuse_pipeline_optimizer(self.plugin, "save_optimizer")
         check_optimizer(optimizer)
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
                         (MOE_OPTIM_INDEX,))
@@ -174,9 +157,11 @@ class MoeCheckpointIO(GeneralCheckpointIO):
             if coord.rank(self.group) == 0:
                 os.makedirs(directory, exist_ok=True)
                 meta = {"format": MOE_OPTIM_FORMAT, **self._topology(),
-                        "subdirs": [ep_subdir(e, plugin.ep_size, t, plugin.tp_size)
+                        "subdirs": [ep_subdir(e, plugin.ep_size, t, plugin.tp_size, s,
+                                              plugin.pp_size)
                                     for e in range(plugin.ep_size)
-                                    for t in range(plugin.tp_size)]}
+                                    for t in range(plugin.tp_size)
+                                    for s in range(plugin.pp_size)]}
                 with open(os.path.join(directory, MOE_OPTIM_INDEX), "w") as f:
                     json.dump(meta, f, indent=1)
 
@@ -186,7 +171,6 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         write_optimizer(optimizer, sub, is_writer)
 
     def load_optimizer(self, optimizer, path: str) -> None:
-        refuse_pipeline_optimizer(self.plugin, "load_optimizer")
         check_optimizer(optimizer)
         path = os.fspath(path)
         saved_ep = self._saved_ep_size(path)  # every rank raises alike, before any collective
@@ -212,10 +196,28 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         if not os.path.exists(os.path.join(path, MOE_OPTIM_INDEX)) and os.path.exists(
                 os.path.join(path, OPTIM_INDEX)):
             self._check_saved_tp(path, 1)  # another plugin's: whole tensors, as at tp 1
+            self._check_saved_pp(path, 1)  # ... and every layer in one place, as at pp 1
             return None
         meta = read_index(path, "MoE optimizer", MOE_OPTIM_INDEX, MOE_OPTIM_FORMAT)
         self._check_saved_tp(path, meta.get("tp_size", 1))
+        self._check_saved_pp(path, meta.get("pp_size", 1))
         return meta["ep_size"]
+
+    def _check_saved_pp(self, path: str, saved_pp: int) -> None:
+        """Optimizer state is kept per pipeline stage and does not re-split over pp (no
+        collective).
+
+        Raises:
+            ValueError: ``path`` was saved at another pp size than this run's.
+        """
+        pp = self.plugin.pp_size
+        if saved_pp != pp:
+            raise ValueError(
+                f"optimizer checkpoint {path} was saved at pp_size={saved_pp}, this run has "
+                f"pp_size={pp}: MoeHybridParallelPlugin keeps optimizer state per pipeline "
+                "stage and re-splits it over ep_size, dp size and zero_stage, not over pp; "
+                f"resume with pp_size={saved_pp} (booster.load_model loads the model at any "
+                "pp size)")
 
     def _check_saved_tp(self, path: str, saved_tp: int) -> None:
         """Optimizer state re-splits over ep, dp and ZeRO stage, not over tp (no collective).

@@ -143,8 +143,8 @@ class MoeHybridParallelPlugin(Plugin):
     Optimizer state (``save_optimizer``, in ``save_checkpoint``: one directory per ep rank and
     tp rank) is re-shardable over ep, dp and ZeRO stage; loading it at another tp size raises
     ``ValueError``. With ``pp_size > 1`` ``save_model`` gathers the stages too (the file loads
-    at any pp, ep and tp size); optimizer state under pp raises ``ValueError`` (not
-    implemented: ``checkpoint_io.moe.refuse_pipeline_optimizer``).
+    at any pp, ep and tp size); optimizer state is saved per stage and loads at the saved
+    pp size (another pp size raises ``ValueError``).
 
     Example:
         >>> from fp8boost.plugins import MoeHybridParallelPlugin
