@@ -195,43 +195,29 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         """
         if not os.path.exists(os.path.join(path, MOE_OPTIM_INDEX)) and os.path.exists(
                 os.path.join(path, OPTIM_INDEX)):
-            self._check_saved_tp(path, 1)  # another plugin's: whole tensors, as at tp 1
-            self._check_saved_pp(path, 1)  # ... and every layer in one place, as at pp 1
+            # another plugin's: whole tensors, every layer in one place, as at tp 1 and pp 1
+            self._check_saved_axes(path, 1, 1)
             return None
         meta = read_index(path, "MoE optimizer", MOE_OPTIM_INDEX, MOE_OPTIM_FORMAT)
-        self._check_saved_tp(path, meta.get("tp_size", 1))
-        self._check_saved_pp(path, meta.get("pp_size", 1))
+        self._check_saved_axes(path, meta.get("tp_size", 1), meta.get("pp_size", 1))
         return meta["ep_size"]
 
-    def _check_saved_pp(self, path: str, saved_pp: int) -> None:
-        """Optimizer state is kept per pipeline stage and does not re-split over pp (no
-        collective).
+    def _check_saved_axes(self, path: str, saved_tp: int, saved_pp: int) -> None:
+        """Optimizer state re-splits over ep, dp and ZeRO stage, not over tp or pp (kept per
+        tp rank and per pipeline stage); no collective.
 
         Raises:
-            ValueError: ``path`` was saved at another pp size than this run's.
+            ValueError: ``path`` was saved at another tp or pp size than this run's.
         """
-        pp = self.plugin.pp_size
-        if saved_pp != pp:
-            raise ValueError(
-                f"optimizer checkpoint {path} was saved at pp_size={saved_pp}, this run has "
-                f"pp_size={pp}: MoeHybridParallelPlugin keeps optimizer state per pipeline "
-                "stage and re-splits it over ep_size, dp size and zero_stage, not over pp; "
-                f"resume with pp_size={saved_pp} (booster.load_model loads the model at any "
-                "pp size)")
-
-    def _check_saved_tp(self, path: str, saved_tp: int) -> None:
-        """Optimizer state re-splits over ep, dp and ZeRO stage, not over tp (no collective).
-
-        Raises:
-            ValueError: ``path`` was saved at another tp size than this run's.
-        """
-        tp = self.plugin.tp_size
-        if saved_tp != tp:
-            raise ValueError(
-                f"optimizer checkpoint {path} was saved at tp_size={saved_tp}, this run has "
-                f"tp_size={tp}: MoeHybridParallelPlugin's optimizer state re-splits over "
-                "ep_size, dp size and zero_stage but not over tp; resume with "
-                f"tp_size={saved_tp} (booster.load_model loads the model at any tp size)")
+        for axis, saved, now in (("tp", saved_tp, self.plugin.tp_size),
+                                 ("pp", saved_pp, self.plugin.pp_size)):
+            if saved != now:
+                raise ValueError(
+                    f"optimizer checkpoint {path} was saved at {axis}_size={saved}, this run "
+                    f"has {axis}_size={now}: MoeHybridParallelPlugin's optimizer state "
+                    f"re-splits over ep_size, dp size and zero_stage but not over {axis}; "
+                    f"resume with {axis}_size={saved} (booster.load_model loads the model at "
+                    f"any {axis} size)")
 
     def _read_resplit(self, optimizer, subs: list[str], path: str) -> None:
         """Load optimizer directories ``subs`` saved by ep ranks ``0..len(subs)-1`` of another
