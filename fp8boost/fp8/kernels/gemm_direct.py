@@ -54,35 +54,29 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
                      bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool,
                      allow_cublas: bool) -> Tensor:
     """``(a @ b.T) * a_inv * b_inv (+ bias)``, the kernel chosen at trace time (CUDA)."""
-    if not static_shapes(a, b, bias):
-        # A symbolic size (a dynamic graph) cannot key the tuner: the graph gets the op that
-        # dispatches at run time instead (this body is what the graph records).
-        return torch.ops.fp8boost.scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
-                                            use_fast_accum, allow_cublas)
-    if a.device.type != "cuda":
-        return reference_scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
-    from . import gemm  # lazy: imports triton (absent from some CPU installs)
+    if static_shapes(a, b, bias):
+        if a.device.type != "cuda":
+            return reference_scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
+        from . import gemm  # lazy: imports triton (absent from some CPU installs)
 
-    gemm.check_inputs(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
-    M, K = a.shape
-    N = b.shape[0]
-    if M == 0 or N == 0 or K == 0:
-        out = torch.zeros((M, N), dtype=torch.float32, device=a.device)
-        return (out + bias.float() if bias is not None else out).to(out_dtype)
-    a_inv = a_inv_scale.reshape(()).float()
-    b_inv = b_inv_scale.reshape(()).float()
-    bias = bias.contiguous() if bias is not None else None
-    use_tma = gemm.tma_layout_ok(a, b, out_dtype)
-    key, cands = gemm.candidates(a, b, bias, out_dtype, use_fast_accum, use_tma, allow_cublas)
-    cfg = gemm.decide(key, cands, lambda: _standin_launcher(a, b, bias, out_dtype,
-                                                            use_fast_accum, use_tma))
-    if cfg == gemm.CUBLAS:
-        return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, bias=bias,
-                                out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    # The Triton kernel stays behind the run-time op: torch 2.11's triton_op tracing cannot
-    # take its host-side TMA descriptors (KeyError in identify_mutated_tensors, then fake
-    # tensors in inductor's cache key: measured on the H200, 2026-11-29). The op finds this
-    # decision in the config cache, so it does not tune again.
+        gemm.check_inputs(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
+        if a.numel() and b.numel():  # an empty GEMM has no kernel to choose
+            bias = bias.contiguous() if bias is not None else None
+            use_tma = gemm.tma_layout_ok(a, b, out_dtype)
+            key, cands = gemm.candidates(a, b, bias, out_dtype, use_fast_accum, use_tma,
+                                         allow_cublas)
+            cfg = gemm.decide(key, cands, lambda: _standin_launcher(a, b, bias, out_dtype,
+                                                                    use_fast_accum, use_tma))
+            if cfg == gemm.CUBLAS:
+                return torch._scaled_mm(a, b.t(), scale_a=a_inv_scale.reshape(()).float(),
+                                        scale_b=b_inv_scale.reshape(()).float(), bias=bias,
+                                        out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    # The graph records the op that dispatches at run time (gemm.mm) for: a symbolic size (it
+    # cannot key the tuner), an empty GEMM (gemm.mm's zeros or bias), and the Triton kernel,
+    # which stays behind the op because torch 2.11's triton_op tracing cannot take its
+    # host-side TMA descriptors (KeyError in identify_mutated_tensors, then fake tensors in
+    # inductor's cache key: measured on the H200, 2026-11-29); the op finds the decision made
+    # here in the config cache, so it does not tune again.
     return torch.ops.fp8boost.scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
                                         use_fast_accum, allow_cublas)
 
