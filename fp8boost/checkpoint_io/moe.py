@@ -14,11 +14,15 @@ refused (``ValueError``).
 Optimizer directory (``save_optimizer``; also ``optimizer/`` inside ``save_checkpoint``)::
 
     moe_optimizer.index.json          format, ep_size, moe-dp size, world size, zero stage,
-                                      the sub-directories, SHA-256 of every file below
+                                      tp and pp sizes, the sub-directories, SHA-256 of
+                                      every file below
     ep00000-of-00002/                 ep rank 0's optimizer: the re-shardable format
         optimizer.index.json          (``formats``) written by the moe-dp group of ep rank 0
         optimizer-rank00000-of-00001.safetensors ...
     ep00001-of-00002/ ...
+
+(with ``tp_size > 1`` each name ends ``-tp<rank>-of-<tp size>``, with ``pp_size > 1`` then
+``-pp<stage>-of-<pp size>``: :func:`ep_subdir`)
 
 Each ep rank holds different experts, so each ep rank's moe-dp group writes its own
 sub-directory with the shared ``write_optimizer`` (ZeRO shards of the moe-dp group, its
