@@ -92,10 +92,12 @@ def compiled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
     devices) goes through :func:`scaled_mm_direct`.
     """
     if a.device.type == "cuda" and _sizes_known(a, b, bias) and min(*a.shape, b.shape[0]) > 0:
-        plan = _plan(tuple(a.shape), tuple(a.stride()), a.storage_offset(), tuple(b.shape),
-                     tuple(b.stride()), b.storage_offset(), a.dtype, b.dtype, out_dtype,
-                     bias is not None, bool(use_fast_accum), bool(allow_cublas),
-                     a.device.index)
+        # No storage offsets: dynamo cannot trace storage_offset() (torch 2.11). The plan
+        # assumes 16-byte aligned bases, as every allocation is; an operand that is a view at
+        # an unaligned offset fails at the launch with Triton's "base must be 16-byte aligned".
+        plan = _plan(tuple(a.shape), tuple(a.stride()), tuple(b.shape), tuple(b.stride()),
+                     a.dtype, b.dtype, out_dtype, bias is not None, bool(use_fast_accum),
+                     bool(allow_cublas), a.device.index)
         if plan[0] == "tma":
             return _launch_tma(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
                                bool(use_fast_accum), plan)
@@ -132,18 +134,18 @@ def _launch_tma(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, fast, plan) -> 
 
 
 @torch._dynamo.assume_constant_result
-def _plan(a_shape: tuple, a_stride: tuple, a_offset: int, b_shape: tuple, b_stride: tuple,
-          b_offset: int, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
-          has_bias: bool, fast: bool, allow_cublas: bool, device_index: int) -> tuple:
+def _plan(a_shape: tuple, a_stride: tuple, b_shape: tuple, b_stride: tuple,
+          a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype, has_bias: bool,
+          fast: bool, allow_cublas: bool, device_index: int) -> tuple:
     """The tuned kernel of a GEMM, from its layout alone: ``("tma", sms, *GemmConfig)`` or
     ``("other",)``. Run at trace time (dynamo calls it and keeps the result as a constant);
     tunes on stand-ins if nothing is cached, like :func:`scaled_mm_direct`."""
     from . import gemm  # lazy: imports triton (absent from some CPU installs)
 
-    def meta(shape, stride, offset, dtype):  # layout only: no memory
-        return torch.empty(0, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    def meta(shape, stride, dtype):  # layout only: no memory
+        return torch.empty(0, dtype=dtype, device="meta").as_strided(shape, stride)
 
-    a, b = meta(a_shape, a_stride, a_offset, a_dtype), meta(b_shape, b_stride, b_offset, b_dtype)
+    a, b = meta(a_shape, a_stride, a_dtype), meta(b_shape, b_stride, b_dtype)
     bias = torch.empty(b_shape[0], dtype=out_dtype, device="meta") if has_bias else None
     use_tma = gemm.tma_layout_ok(a, b, out_dtype)
     key, cands = gemm.candidates(a, b, bias, out_dtype, fast, use_tma, allow_cublas,
