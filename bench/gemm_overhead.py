@@ -13,9 +13,11 @@ Rows (each the median of ``--repeats`` timings of ``--calls`` calls):
   * ``op_fast`` / ``mm_fast``: the same with fast accumulation (the forward's setting);
   * ``compiled_<path>`` (CUDA, ``--compiled``): one ``torch.compile``d function of
     ``--graph-gemms`` GEMMs, per GEMM: ``dispatch`` (the graph calls ``fp8boost::scaled_mm``,
-    the op compiled graphs used until 2026-11-29), ``direct`` (``fp8boost::scaled_mm_direct``:
-    kernel chosen at trace time, launched by inductor's wrapper, what ``TritonBackend`` uses
-    now) and ``scaled_mm`` (``torch._scaled_mm`` in the graph, torchao's path).
+    the op compiled graphs used until 2026-11-29), ``direct`` (``gemm_direct.compiled_mm``,
+    what ``TritonBackend`` runs under compile: kernel chosen at trace time and launched from
+    inductor's wrapper, the Triton kernel itself or ``aten._scaled_mm``) and ``scaled_mm``
+    (``torch._scaled_mm`` in the graph, torchao's path). ``--kernel triton|cublas`` fixes the
+    decision those paths read (at 128^3 the tuner picks cuBLAS).
 
     python bench/gemm_overhead.py                       # CUDA
     python bench/gemm_overhead.py --compiled            # CUDA, with the compiled-graph rows
@@ -88,12 +90,13 @@ def rows(device: torch.device, size: int, calls: int, repeats: int) -> list[dict
                 for name, fn in variants.items()]
 
 
-def compiled_rows(size: int, calls: int, repeats: int, gemms: int, fast: bool) -> list[dict]:
+def compiled_rows(size: int, calls: int, repeats: int, gemms: int, fast: bool,
+                  kernel: str = "tuned") -> list[dict]:
     """Per-GEMM host cost inside a compiled graph of ``gemms`` GEMMs, by path (CUDA only).
 
     Both fp8boost ops may choose cuBLAS (``allow_cublas``, as ``TritonBackend`` calls them);
     the row records which kernel the tuner chose for the shape."""
-    import fp8boost.fp8.kernels.gemm_direct  # noqa: F401  (registers the direct op)
+    from fp8boost.fp8.kernels import gemm, gemm_direct  # lazy: triton (CUDA rows only)
 
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(1)
@@ -104,11 +107,14 @@ def compiled_rows(size: int, calls: int, repeats: int, gemms: int, fast: bool) -
     paths = {
         "dispatch": lambda b: torch.ops.fp8boost.scaled_mm(a, b, one, one, None,
                                                            torch.bfloat16, fast, True),
-        "direct": lambda b: torch.ops.fp8boost.scaled_mm_direct(a, b, one, one, None,
-                                                                torch.bfloat16, fast, True),
+        "direct": lambda b: gemm_direct.compiled_mm(a, b, one, one, None, torch.bfloat16,
+                                                    fast, True),
         "scaled_mm": lambda b: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
                                                 out_dtype=torch.bfloat16, use_fast_accum=fast),
     }
+    if kernel != "tuned":  # the decision every compiled path reads, fixed before tracing
+        key, cands = gemm.candidates(a, bs[0], None, torch.bfloat16, fast, True, True)
+        gemm._CACHE.best[key] = gemm.CUBLAS if kernel == "cublas" else cands[0]
     out = []
     with torch.no_grad():
         for name, gemm_of in paths.items():
@@ -117,9 +123,8 @@ def compiled_rows(size: int, calls: int, repeats: int, gemms: int, fast: bool) -
             us = per_call_us(lambda: graph(bs), max(1, calls // gemms), repeats,
                              lambda: torch.cuda.synchronize(device)) / gemms
             out.append(dict(variant="compiled_" + name + ("_fast" if fast else ""), size=size,
-                            calls=calls, repeats=repeats, graph_gemms=gemms,
+                            calls=calls, repeats=repeats, graph_gemms=gemms, kernel=kernel,
                             us_per_call=round(us, 2)))
-    from fp8boost.fp8.kernels import gemm
     for r in out:
         r["tuned"] = {str(k): str(v) for k, v in gemm._CACHE.best.items()
                       if k[2] == size and k[7] == fast}
@@ -137,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: add the compiled-graph rows (compiled_dispatch/direct/scaled_mm)")
     p.add_argument("--graph-gemms", type=int, default=32,
                    help="GEMMs per compiled graph (--compiled)")
+    p.add_argument("--kernel", default="tuned", choices=("tuned", "triton", "cublas"),
+                   help="--compiled: the kernel the compiled paths are given (the tuner's "
+                   "choice, or the decision fixed to the Triton kernel or to cuBLAS)")
     args = p.parse_args(argv)
     if args.size % 16 or args.size <= 0:
         raise ValueError(f"--size must be a positive multiple of 16 (FP8 GEMM shapes), got "
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compiled:
         for fast in (False, True):
             result["rows"] += compiled_rows(args.size, args.calls, args.repeats,
-                                            args.graph_gemms, fast)
+                                            args.graph_gemms, fast, args.kernel)
     for r in result["rows"]:
         print(f"{r['variant']:<14} {r['us_per_call']:9.2f} us/call")
     if args.output:

@@ -305,6 +305,33 @@ def test_compile_dynamic_shapes_keep_the_dispatching_gemm_op():
     assert aot.count("fp8boost.scaled_mm.default") == 3 and "scaled_mm_direct" not in aot
 
 
+def test_trace_time_plan_reads_the_tuner_decision(monkeypatch):
+    """gemm_direct._plan (a constant of dynamo's trace): the cached decision for the GEMM's
+    layout decides whether the graph launches the Triton TMA kernel itself ("tma", the SM
+    count, the config) or leaves it to scaled_mm_direct ("other": cuBLAS, no TMA layout)."""
+    from fp8boost.fp8.kernels import gemm, gemm_direct
+
+    monkeypatch.setattr(gemm, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemm, "_CACHE", gemm.ConfigCache("test-plan"))
+
+    def plan(k_stride):
+        return gemm_direct._plan((256, 128), (k_stride, 1), (64, 128), (128, 1), E4M3,
+                                 E4M3, torch.bfloat16, False, True, True, 0)
+
+    def key(k_stride):
+        a = torch.empty(0, dtype=E4M3, device="meta").as_strided((256, 128), (k_stride, 1))
+        b = torch.empty(64, 128, dtype=E4M3, device="meta")
+        return gemm.candidates(a, b, None, torch.bfloat16, True, gemm.tma_layout_ok(
+            a, b, torch.bfloat16), True, 0)[0]
+
+    gemm._CACHE.best[key(128)] = gemm.FAST_CONFIGS[1]
+    assert plan(128) == ("tma", 132, *gemm.FAST_CONFIGS[1])
+    gemm._CACHE.best[key(128)] = gemm.CUBLAS
+    assert plan(128) == ("other",)
+    gemm._CACHE.best[key(136)] = gemm.FAST_CONFIGS[0]  # rows 136 bytes apart: not 16-aligned
+    assert key(136)[0] is False and plan(136) == ("other",)
+
+
 def test_direct_gemm_op_matches_reference_and_opcheck():
     """fp8boost::scaled_mm_direct on CPU: the reference arithmetic, fake/AOT registrations."""
     from fp8boost.fp8.kernels import gemm_direct, ops
@@ -463,17 +490,20 @@ class TestGpu:
             assert _rel_err(t, e.float()) < 1e-2
 
     @pytest.mark.parametrize("fast", [True, False], ids=["fast", "promoted"])
-    def test_compiled_gemm_is_dispatched_at_trace_time(self, fast):
+    def test_compiled_gemm_is_dispatched_at_trace_time(self, fast, monkeypatch, tmp_path):
         """Under torch.compile the GEMM's kernel is chosen at trace time (tuned there, on
-        stand-in operands): where cuBLAS won, the generated code calls aten._scaled_mm and no
-        fp8boost op; where the Triton kernel won, fp8boost::scaled_mm (which finds the
-        decision cached). Both bit-identical to the eager call."""
+        stand-in operands): where cuBLAS won, the generated code calls aten._scaled_mm; where
+        the Triton kernel won, inductor launches that kernel itself. No fp8boost op either
+        way; both bit-identical to the eager call."""
         from torch._inductor.utils import run_and_get_code
 
         from fp8boost.fp8.kernels import gemm, tuning
         from fp8boost.fp8.kernels.backend import TritonBackend
 
         tuning.set_autotune(True)  # the trace-time tuning on stand-ins is under test
+        # An empty decisions directory: a decision an earlier run stored on this machine would
+        # be loaded instead of timed (the GPU suite ran it twice on one warm machine).
+        monkeypatch.setenv("FP8BOOST_CACHE_DIR", str(tmp_path))
         be = TritonBackend(allow_cublas=True)
         g = torch.Generator(device="cuda").manual_seed(9)
         m, n, k = 1536, 1024, 768
@@ -498,8 +528,10 @@ class TestGpu:
         out, code = compiled_code()
         chosen = gemm._CACHE.best[key]  # decided while tracing, on stand-ins
         assert chosen in cands and key in gemm._CACHE.timings
-        assert "scaled_mm_direct" not in code
-        assert ("fp8boost.scaled_mm" in code) == (chosen != gemm.CUBLAS)
+        # Triton won: inductor launches the kernel itself (dynamo traced the launch); cuBLAS
+        # won: aten._scaled_mm. Never the run-time dispatching op.
+        assert "scaled_mm_direct" not in code and "fp8boost.scaled_mm" not in code
+        assert ("_gemm_tma_kernel" in code) == (chosen != gemm.CUBLAS)
         assert ("extern_kernels._scaled_mm(" in code) == (chosen == gemm.CUBLAS)
         assert torch.equal(out, gemm.launcher(a, b, sa, sb, None, torch.bfloat16, fast,
                                               True)(chosen))
@@ -508,7 +540,8 @@ class TestGpu:
         gemm._CACHE.best[key] = other
         try:
             out2, code2 = compiled_code()
-            assert ("fp8boost.scaled_mm" in code2) == (other != gemm.CUBLAS)
+            assert "fp8boost.scaled_mm" not in code2
+            assert ("_gemm_tma_kernel" in code2) == (other != gemm.CUBLAS)
             assert ("extern_kernels._scaled_mm(" in code2) == (other == gemm.CUBLAS)
             assert torch.equal(out2, gemm.launcher(a, b, sa, sb, None, torch.bfloat16, fast,
                                                    True)(other))

@@ -57,8 +57,7 @@ class TritonBackend(Fp8Backend):
         if _compiling():
             # The kernel is chosen at trace time and launched by inductor's wrapper
             # (gemm_direct: less CPU per call); symbolic shapes keep the dispatching op.
-            return gemm_direct.scaled_mm_direct(a, b, a_inv_scale, b_inv_scale, bias,
-                                                out_dtype, bool(use_fast_accum),
-                                                self.allow_cublas)
+            return gemm_direct.compiled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
+                                           bool(use_fast_accum), self.allow_cublas)
         return gemm.mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, use_fast_accum,
                        allow_cublas=self.allow_cublas)

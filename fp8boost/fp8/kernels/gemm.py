@@ -190,6 +190,11 @@ def _gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, a_inv_ptr, b_inv_ptr, bias_ptr, M, N, 
         tl.store(c_ptrs, acc.to(OUT_DTYPE), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+#: the TMA kernel, for callers that launch it themselves (gemm_direct: a compiled graph's
+#: traced launch with the config fixed at trace time)
+TMA_KERNEL = _gemm_tma_kernel
+
+
 def check_inputs(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
                  bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> None:
     """Raise a clear error for operands the GEMM cannot take (before any work)."""
@@ -280,9 +285,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tenso
 
 def candidates(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
                out_dtype: torch.dtype, use_fast_accum: bool, use_tma: bool,
-               allow_cublas: bool) -> tuple[tuple, list]:
+               allow_cublas: bool, device_index: Optional[int] = None) -> tuple[tuple, list]:
     """The config-cache key of this GEMM and the configs timed for it (shapes and dtypes only:
-    also called on the fake operands of a compiled graph, :mod:`.gemm_direct`)."""
+    also called on the fake or meta operands of a compiled graph, :mod:`.gemm_direct`, which
+    pass the CUDA ``device_index`` a meta tensor lacks)."""
     (M, K), N = a.shape, b.shape[0]
     cands: list = list(FAST_CONFIGS if use_fast_accum else PRECISE_CONFIGS)
     if not use_tma:
@@ -290,7 +296,8 @@ def candidates(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
     if allow_cublas and _cublas_ok(a, b, bias, out_dtype):
         cands.append(CUBLAS)
     key = (use_tma, bucket(M), N, K, a.dtype, b.dtype, out_dtype, use_fast_accum,
-           bias is not None, allow_cublas, a.device.index)
+           bias is not None, allow_cublas,
+           a.device.index if device_index is None else device_index)
     return key, cands
 
 

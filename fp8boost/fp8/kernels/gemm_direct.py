@@ -81,8 +81,85 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
                                         use_fast_accum, allow_cublas)
 
 
+def compiled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
+                bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool,
+                allow_cublas: bool) -> Tensor:
+    """The GEMM as ``TritonBackend.mm`` runs it while dynamo traces (``torch.compile``).
+
+    Where the shape's tuned kernel is the Triton TMA kernel, dynamo traces its launch itself
+    (config fixed by :func:`_plan`, a constant of the trace), so inductor launches it from its
+    wrapper; everything else (cuBLAS, the pointer kernel, symbolic or empty shapes, other
+    devices) goes through :func:`scaled_mm_direct`.
+    """
+    if a.device.type == "cuda" and _sizes_known(a, b, bias) and min(*a.shape, b.shape[0]) > 0:
+        # No storage offsets: dynamo cannot trace storage_offset() (torch 2.11). The plan
+        # assumes 16-byte aligned bases, as every allocation is; an operand that is a view at
+        # an unaligned offset fails at the launch with Triton's "base must be 16-byte aligned".
+        plan = _plan(tuple(a.shape), tuple(a.stride()), tuple(b.shape), tuple(b.stride()),
+                     a.dtype, b.dtype, out_dtype, bias is not None, bool(use_fast_accum),
+                     bool(allow_cublas), a.device.index)
+        if plan[0] == "tma":
+            return _launch_tma(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
+                               bool(use_fast_accum), plan)
+    return scaled_mm_direct(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
+                            bool(use_fast_accum), bool(allow_cublas))
+
+
+def _sizes_known(*tensors: Optional[Tensor]) -> bool:
+    """No symbolic size or stride (dynamo sees a SymInt as one; a plain int is a constant)."""
+    return not any(isinstance(d, torch.SymInt) for t in tensors if t is not None
+                   for d in (*t.shape, *t.stride()))
+
+
+def _launch_tma(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, fast, plan) -> Tensor:
+    """The Triton TMA kernel with ``plan``'s config, written so that dynamo can trace it."""
+    from . import gemm  # lazy: imports triton (absent from some CPU installs)
+
+    _, sms, *fields = plan
+    cfg = gemm.GemmConfig(*fields)
+    M, K = a.shape
+    N = b.shape[0]
+    a_inv = a_inv_scale.reshape(()).float()
+    b_inv = b_inv_scale.reshape(()).float()
+    bias = bias.contiguous() if bias is not None else None
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    meta = gemm.kernel_meta(cfg, sms, bias is not None, out_dtype, fast, True)
+    bn_c = cfg.block_n // 2 if cfg.subtile else cfg.block_n
+    desc = gemm.TensorDescriptor.from_tensor
+    grid = (min(sms, -(-M // cfg.block_m) * -(-N // cfg.block_n)),)
+    gemm.TMA_KERNEL[grid](desc(a, [cfg.block_m, cfg.block_k]),
+                          desc(b, [cfg.block_n, cfg.block_k]), desc(out, [cfg.block_m, bn_c]),
+                          a_inv, b_inv, bias if bias is not None else a_inv, M, N, K, **meta)
+    return out
+
+
+@torch._dynamo.assume_constant_result
+def _plan(a_shape: tuple, a_stride: tuple, b_shape: tuple, b_stride: tuple,
+          a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype, has_bias: bool,
+          fast: bool, allow_cublas: bool, device_index: int) -> tuple:
+    """The tuned kernel of a GEMM, from its layout alone: ``("tma", sms, *GemmConfig)`` or
+    ``("other",)``. Run at trace time (dynamo calls it and keeps the result as a constant);
+    tunes on stand-ins if nothing is cached, like :func:`scaled_mm_direct`."""
+    from . import gemm  # lazy: imports triton (absent from some CPU installs)
+
+    def meta(shape, stride, dtype):  # layout only: no memory
+        return torch.empty(0, dtype=dtype, device="meta").as_strided(shape, stride)
+
+    a, b = meta(a_shape, a_stride, a_dtype), meta(b_shape, b_stride, b_dtype)
+    bias = torch.empty(b_shape[0], dtype=out_dtype, device="meta") if has_bias else None
+    use_tma = gemm.tma_layout_ok(a, b, out_dtype)
+    key, cands = gemm.candidates(a, b, bias, out_dtype, fast, use_tma, allow_cublas,
+                                 device_index)
+    dev = torch.device("cuda", device_index)
+    cfg = gemm.decide(key, cands, lambda: _standin_launcher(a, b, bias, out_dtype, fast, use_tma,
+                                                            dev))
+    if cfg == gemm.CUBLAS or not use_tma:
+        return ("other",)
+    return ("tma", gemm.num_sms(dev), *cfg)
+
+
 def _standin_launcher(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype,
-                      fast: bool, use_tma: bool):
+                      fast: bool, use_tma: bool, device: Optional[torch.device] = None):
     """A launcher over real random operands laid out like ``a``/``b``, for the tuner.
 
     At trace time ``a``/``b`` are fake (no memory); the tuner must time real kernels, so it
@@ -90,15 +167,16 @@ def _standin_launcher(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: t
     """
     from . import gemm  # lazy: imports triton (absent from some CPU installs)
 
+    dev = device if device is not None else a.device
     with _disable_current_modes(), torch.no_grad():
         def like(t: Tensor) -> Tensor:
             real = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
-                                       device=t.device)
-            return real.copy_(torch.randn(tuple(t.shape), device=t.device).to(t.dtype))
+                                       device=dev)
+            return real.copy_(torch.randn(tuple(t.shape), device=dev).to(t.dtype))
 
         ra, rb = like(a), like(b)
-        one = torch.ones((), device=a.device)
-        rbias = torch.randn(tuple(bias.shape), device=a.device).to(bias.dtype) \
+        one = torch.ones((), device=dev)
+        rbias = torch.randn(tuple(bias.shape), device=dev).to(bias.dtype) \
             if bias is not None else None
         run = gemm.launcher(ra, rb, one, one, rbias, out_dtype, fast, use_tma)
 
