@@ -12,6 +12,7 @@ with cuBLAS (``torch._scaled_mm``) error as the yardstick; torch.compile (induct
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -275,9 +276,13 @@ def test_compile_fwd_bwd_through_custom_ops(casts):
     assert ("fp8boost.quantize" in code) == (casts == "kernel")
 
 
-def test_compile_dynamic_shapes_keep_the_dispatching_gemm_op():
+def test_compile_dynamic_shapes_keep_the_dispatching_gemm_op(caplog):
     """A symbolic token count cannot key the tuner: the graph keeps fp8boost::scaled_mm (the
-    run-time dispatching op) and still matches the emulated backend."""
+    run-time dispatching op), says so once at INFO, and still matches the emulated backend."""
+    from fp8boost import _state
+
+    _state.forget_logged("gemm-compiled-symbolic")
+    caplog.set_level(logging.INFO, logger="fp8boost.fp8.kernels")
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = Fp8Config(backend="emulated")
@@ -303,6 +308,8 @@ def test_compile_dynamic_shapes_keep_the_dispatching_gemm_op():
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     aot = "\n".join(g.code for g in graphs)  # the AOT graphs (dynamo's is not kept here)
     assert aot.count("fp8boost.scaled_mm.default") == 3 and "scaled_mm_direct" not in aot
+    said = [r.getMessage() for r in caplog.records if "symbolic sizes" in r.getMessage()]
+    assert len(said) == 1 and "dynamic=False" in said[0]
 
 
 def test_trace_time_plan_reads_the_tuner_decision(monkeypatch):

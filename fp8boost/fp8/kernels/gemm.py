@@ -301,13 +301,14 @@ def candidates(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
     return key, cands
 
 
-def decide(key: tuple, cands: list, launch_on_standins) -> object:
-    """The cached config for ``key``; on a miss ``launch_on_standins()`` gives a launcher over
-    real operands of the same layout, which the cache times (:mod:`.gemm_direct`)."""
+def decide(key: tuple, cands: list, launch_on_standins, use_fast_accum: bool) -> object:
+    """The cached config for ``key`` (from :func:`candidates`, whose ``use_fast_accum`` is the
+    one given here); on a miss ``launch_on_standins()`` gives a launcher over real operands of
+    the same layout, which the cache times (:mod:`.gemm_direct`)."""
     cfg = _CACHE.best.get(key)
     if cfg is None:
         cfg = _CACHE.pick(key, cands, launch_on_standins())
-    if cfg == CUBLAS and not key[7]:  # key[7]: use_fast_accum
+    if cfg == CUBLAS and not use_fast_accum:
         _log_cublas_promoted()
     return cfg
 

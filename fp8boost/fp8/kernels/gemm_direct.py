@@ -1,4 +1,4 @@
-"""``fp8boost::scaled_mm_direct``: the FP8 GEMM of compiled graphs, dispatched at trace time.
+"""The FP8 GEMM of compiled graphs, its kernel chosen at trace time.
 
 Why: a compiled graph that calls :func:`ops.scaled_mm` (a Python custom op) pays the
 dispatcher, :func:`gemm.mm`'s checks, the config-cache lookup, three descriptor objects and
@@ -8,15 +8,23 @@ for ``torch._scaled_mm`` (``bench/gemm_overhead.py``, 2026-11-29). Where the CPU
 
 Here the choice of kernel is made once, when the graph is traced: the shape's tuned config
 (timed then, on stand-in operands of the same shape, if no earlier call or decisions file has
-it). Where cuBLAS was measured faster (most promoted-accumulation GEMMs: dgrad, wgrad) the
-traced body holds ``aten._scaled_mm``, which inductor calls from its wrapper as torchao's
-graphs do. Where the Triton kernel won, the body holds :func:`ops.scaled_mm`, which finds the
-decision in the cache at run time. (Launching the Triton kernel itself from inductor's wrapper,
-``wrap_triton``, fails on torch 2.11 with its host-side TMA descriptors.)
+it). :func:`compiled_mm` (what :class:`TritonBackend` calls under dynamo) asks :func:`_plan`,
+a constant of dynamo's trace, for it:
 
-The decision is not an argument of the op in dynamo's graph, so inductor's caches (AOT and FX
-graph, in memory and on disk) keep the kernel that the first trace of a graph chose. Both
-kernels compute the same GEMM; a decisions file re-tuned to another kernel takes effect once
+* the Triton TMA kernel won: dynamo traces the kernel's launch itself (:func:`_launch_tma`),
+  and inductor launches it from its wrapper (45 us of CPU per GEMM, promoted; 24 with fast
+  accumulation);
+* cuBLAS won (most promoted-accumulation GEMMs: dgrad, wgrad): :func:`scaled_mm_direct` holds
+  ``aten._scaled_mm``, which inductor calls from its wrapper as torchao's graphs do;
+* symbolic sizes, empty GEMMs, the pointer kernel: :func:`scaled_mm_direct` holds
+  :func:`ops.scaled_mm`, which dispatches at run time (the decision, if any, is in the cache).
+
+(``wrap_triton`` inside a ``triton_op``, the documented way, fails on torch 2.11 with the
+kernel's host-side TMA descriptors; tracing the launch with dynamo works.)
+
+Where :func:`scaled_mm_direct` decides (cuBLAS or the run-time op), the decision is not an
+argument of the op in dynamo's graph, so inductor's caches (AOT and FX graph, in memory and on
+disk) keep the kernel that the first trace of a graph chose. Both kernels compute the same GEMM; a decisions file re-tuned to another kernel takes effect once
 those caches miss (``torch._inductor.config.force_disable_caches``).
 
 Every device other than CUDA gets :func:`ops.scaled_mm`'s reference arithmetic, traced as plain
@@ -33,6 +41,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -40,6 +49,7 @@ from torch import Tensor
 from torch.library import triton_op
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fp8boost import _state
 from .ops import reference_scaled_mm  # also registers fp8boost::scaled_mm
 
 
@@ -66,7 +76,8 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
             key, cands = gemm.candidates(a, b, bias, out_dtype, use_fast_accum, use_tma,
                                          allow_cublas)
             cfg = gemm.decide(key, cands, lambda: _standin_launcher(a, b, bias, out_dtype,
-                                                                    use_fast_accum, use_tma))
+                                                                    use_fast_accum, use_tma),
+                              use_fast_accum)
             if cfg == gemm.CUBLAS:
                 return torch._scaled_mm(a, b.t(), scale_a=a_inv_scale.reshape(()).float(),
                                         scale_b=b_inv_scale.reshape(()).float(), bias=bias,
@@ -77,6 +88,13 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
     # host-side TMA descriptors (KeyError in identify_mutated_tensors, then fake tensors in
     # inductor's cache key: measured on the H200, 2026-11-29); the op finds the decision made
     # here in the config cache, so it does not tune again.
+    if not static_shapes(a, b, bias):
+        _state.log_once(
+            logging.getLogger("fp8boost.fp8.kernels"), "gemm-compiled-symbolic",
+            "fp8boost: a compiled FP8 GEMM has symbolic sizes, so its kernel is chosen at run "
+            "time (fp8boost::scaled_mm, about 100 us of CPU per call on an H200 against about "
+            "30 when chosen at trace time); compile with static shapes "
+            "(torch.compile(dynamic=False)) where the CPU sets the pace", level=logging.INFO)
     return torch.ops.fp8boost.scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
                                         use_fast_accum, allow_cublas)
 
@@ -152,7 +170,7 @@ def _plan(a_shape: tuple, a_stride: tuple, b_shape: tuple, b_stride: tuple,
                                  device_index)
     dev = torch.device("cuda", device_index)
     cfg = gemm.decide(key, cands, lambda: _standin_launcher(a, b, bias, out_dtype, fast, use_tma,
-                                                            dev))
+                                                            dev), fast)
     if cfg == gemm.CUBLAS or not use_tma:
         return ("other",)
     return ("tma", gemm.num_sms(dev), *cfg)
