@@ -83,11 +83,12 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
                                         scale_b=b_inv_scale.reshape(()).float(), bias=bias,
                                         out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     # The graph records the op that dispatches at run time (gemm.mm) for: a symbolic size (it
-    # cannot key the tuner), an empty GEMM (gemm.mm's zeros or bias), and the Triton kernel,
-    # which stays behind the op because torch 2.11's triton_op tracing cannot take its
-    # host-side TMA descriptors (KeyError in identify_mutated_tensors, then fake tensors in
-    # inductor's cache key: measured on the H200, 2026-11-29); the op finds the decision made
-    # here in the config cache, so it does not tune again.
+    # cannot key the tuner), an empty GEMM (gemm.mm's zeros or bias), and a Triton kernel that
+    # compiled_mm does not launch itself (the pointer kernel, or a caller other than
+    # compiled_mm): torch 2.11's triton_op tracing cannot take the TMA kernel's host-side
+    # descriptors (KeyError in identify_mutated_tensors, then fake tensors in inductor's cache
+    # key: measured on the H200, 2026-11-29). The op finds the decision made here in the config
+    # cache, so it does not tune again.
     if not static_shapes(a, b, bias):
         _state.log_once(
             logging.getLogger("fp8boost.fp8.kernels"), "gemm-compiled-symbolic",
