@@ -35,6 +35,11 @@ class LowLevelZeroPlugin(Plugin):
         fp8_reduce_scatter: with ``fp8_communication``, reduce-scatter / all-reduce gradients
             with FP8 (e5m2, per-chunk scales) payloads too: for slow (inter-node) links.
         overlap_communication: launch gradient buckets from backward hooks as they fill.
+        overlap_allgather: after ``optimizer.step()`` only launch the updated parameters'
+            all-gather; each module unpacks its own before its forward, so the gather overlaps
+            the next forward (Colossal-AI's argument; ``fp8boost.parallel.zero.overlap``).
+            Costs one more copy of the parameters until they are unpacked, and parameters read
+            by hand between ``step()`` and the next forward need ``optimizer.wait_params()``.
         reduce_bucket_size_in_m: bucket size in millions (2**20) of elements. Default (None):
             12, or 64 with ``fp8_communication``: each FP8 collective carries a fixed cost of
             about 1 ms (scale, cast and decode launches), so FP8 wants fewer, larger buckets.
@@ -70,12 +75,13 @@ class LowLevelZeroPlugin(Plugin):
     def __init__(self, stage: int = 2, *, overlap_communication: bool = True,
                  reduce_bucket_size_in_m: Optional[float] = None, cpu_offload: bool = False,
                  master_weights: bool = True, fp8_param_gather: str = "fp8_linear",
-                 **options) -> None:
+                 overlap_allgather: bool = False, **options) -> None:
         super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-3 is GeminiPlugin), got {stage!r}")
         for name, value in (("overlap_communication", overlap_communication),
-                            ("cpu_offload", cpu_offload), ("master_weights", master_weights)):
+                            ("cpu_offload", cpu_offload), ("master_weights", master_weights),
+                            ("overlap_allgather", overlap_allgather)):
             check_bool(name, value)
         if fp8_param_gather not in FP8_PARAM_GATHER:
             raise ValueError(f"fp8_param_gather={fp8_param_gather!r} is not supported; use one of "
@@ -83,7 +89,8 @@ class LowLevelZeroPlugin(Plugin):
         self.reduce_bucket_numel = check_bucket_size(reduce_bucket_size_in_m,
                                                      self.fp8_communication)
         self.stage, self.fp8_param_gather = stage, fp8_param_gather
-        self.overlap_communication = overlap_communication
+        self.overlap_communication, self.overlap_allgather = (overlap_communication,
+                                                              overlap_allgather)
         self.cpu_offload, self.master_weights = cpu_offload, master_weights
         if self.fp8_communication:
             from fp8boost.parallel.comm import collectives  # noqa: F401 - fail now, not mid-boost
@@ -118,6 +125,8 @@ class LowLevelZeroPlugin(Plugin):
             cpu_offload=self.cpu_offload,
             loss_scaler=make_loss_scaler(self.precision, self.initial_scale,
                                          self.growth_interval, **self.loss_scale_kwargs),
-            comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model))
+            comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model),
+            overlap_allgather=self.overlap_allgather)
         opt.bind_fp8_layers(model)  # FP8-gathered weights feed their FP8 GEMMs directly
+        opt.bind_overlap(model)  # overlap_allgather: modules unpack their own before forward
         return opt

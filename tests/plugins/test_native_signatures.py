@@ -20,8 +20,8 @@ NATIVE = {
     "LowLevelZeroPlugin": (
         "stage precision use_fp8 fp8_communication",
         "comm_config cpu_offload fp8_config fp8_param_gather fp8_reduce_scatter fused_lm_loss fused_norm "
-        "growth_interval initial_scale master_weights max_norm overlap_communication "
-        "reduce_bucket_size_in_m"),
+        "growth_interval initial_scale master_weights max_norm overlap_allgather "
+        "overlap_communication reduce_bucket_size_in_m"),
     "GeminiPlugin": (
         "precision max_norm norm_type",
         "comm_config enable_gradient_accumulation fp8_communication fp8_config "

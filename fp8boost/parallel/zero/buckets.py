@@ -195,7 +195,7 @@ class GradReducer:
 def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
                       masters: list[torch.Tensor], world: int, bucket_numel: int,
                       comm: Optional[Collectives], fp8_mask: Optional[list[bool]] = None,
-                      direct=None) -> None:
+                      direct=None, defer: bool = False) -> Optional["LaunchedGathers"]:
     """Write the updated master chunks back into the (replicated) working parameters.
 
     ``fp8_mask[i]`` says whether parameter ``i`` travels in FP8 (when ``comm`` is an FP8 one);
@@ -204,13 +204,17 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
     also feed their ``Fp8Linear`` directly: one all-reduce(MAX) of all their amaxes first, then
     one scale per weight and plain uint8 buckets. Buckets are double-buffered: bucket k+1 is in
     flight while bucket k is unpacked, so at most two buckets of gathered parameters exist at once.
+
+    ``defer`` (``overlap_allgather``, several ranks): launch every bucket and return them as
+    :class:`LaunchedGathers`, unpacked later (all buckets' buffers exist at once: the model's
+    parameters once more, in their wire dtype). Otherwise returns None, everything written.
     """
     with torch.no_grad():
         if world == 1:
             for p, s, m in zip(params, shards, masters):
                 # copy_ on the Parameter itself bumps its version: FP8 weight caches see it.
                 p.copy_(m[: s.numel].view(s.shape))
-            return
+            return None
         fp8 = comm.fp8 and fp8_mask is not None
         kinds = [_fp8_kind(i, direct) if fp8 and fp8_mask[i] else "plain"
                  for i in range(len(params))]
@@ -219,6 +223,9 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
             dev = params[direct.weights[0].index].device
             scales = direct.global_scales(masters, dev, comm.group)
         ctx = _GatherCtx(params, shards, masters, world, comm, kinds, direct, scales)
+        if defer:
+            return LaunchedGathers([_launch_gather(bucket, ctx) for bucket in _gather_buckets(
+                params, shards, kinds, world, bucket_numel)], ctx)
         in_flight: deque = deque()
         for bucket in _gather_buckets(params, shards, kinds, world, bucket_numel):
             in_flight.append(_launch_gather(bucket, ctx))
@@ -226,6 +233,37 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
                 _finish_gather(in_flight.popleft(), ctx)
         while in_flight:
             _finish_gather(in_flight.popleft(), ctx)
+    return None
+
+
+class LaunchedGathers:
+    """The buckets of one post-step all-gather, launched and not yet unpacked.
+
+    :meth:`finish` unpacks them in launch order, which is parameter order (about the order of
+    the forward), so waiting for one parameter's bucket also unpacks the buckets before it.
+    """
+
+    def __init__(self, entries: list, ctx: "_GatherCtx") -> None:
+        self._entries, self._ctx = deque(entries), ctx
+        self._bucket_of = {i: n for n, (_, items, _, _) in enumerate(entries) for i in items}
+        self._done = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether any bucket is still to unpack."""
+        return bool(self._entries)
+
+    def finish(self, indices: Optional[list[int]] = None) -> None:
+        """Wait for and unpack the buckets holding parameters ``indices`` and every bucket
+        launched before them (all buckets when None)."""
+        if indices is None:
+            last = self._done + len(self._entries) - 1
+        else:
+            last = max((self._bucket_of.get(i, -1) for i in indices), default=-1)
+        with torch.no_grad():
+            while self._entries and self._done <= last:
+                _finish_gather(self._entries.popleft(), self._ctx)
+                self._done += 1
 
 
 def _fp8_kind(i: int, direct) -> str:

@@ -33,6 +33,7 @@ from .buckets import Collectives, GradReducer, all_gather_params
 from .direct_gather import DirectGather
 from .loss_scaler import DynamicLossScaler
 from .master import MasterWeightOptimizer
+from .overlap import OverlappedGather
 from .sharding import ParamShard
 
 __all__ = ["ZeroOptimizer", "OptimizerProxy", "GRAD_RS_WHY"]
@@ -73,6 +74,10 @@ class ZeroOptimizer(MasterWeightOptimizer):
             FP32 and the master back. True: where it cannot apply, a one-time warning says why
             and the two-pass step runs; None: the same choice without the warning (the
             ``Booster`` default); False: always the two-pass step.
+        overlap_allgather: ``step()`` only launches the updated parameters' all-gather; each
+            module unpacks its own in a forward pre-hook (:meth:`bind_overlap`), so the
+            gather overlaps the next forward (:mod:`~.overlap`, with what it changes: call
+            :meth:`wait_params` before reading parameters by hand after a step).
 
     Attributes:
         fp8_direct: the FP8 direct all-gather (:class:`~.direct_gather.DirectGather`) the
@@ -94,7 +99,8 @@ class ZeroOptimizer(MasterWeightOptimizer):
                  fp8_params: Optional[Iterable[torch.Tensor]] = None, tp_group=None,
                  tp_replicated: Optional[Iterable[torch.Tensor]] = None, pp_group=None,
                  pp_counted_elsewhere: Optional[Iterable[torch.Tensor]] = None,
-                 fused_master_step: Optional[bool] = False) -> None:
+                 fused_master_step: Optional[bool] = False,
+                 overlap_allgather: bool = False) -> None:
         self.validate(optimizer)
         if isinstance(stage, bool) or stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
@@ -132,6 +138,8 @@ class ZeroOptimizer(MasterWeightOptimizer):
                                        [fp8_wire and m for m in self.fp8_gather_mask],
                                        self._comm.comm_config if self._comm is not None else None,
                                        world=self.world)
+        # The deferred post-step all-gather (several shard ranks only: one rank copies in place).
+        self._overlap = OverlappedGather() if overlap_allgather and self.world > 1 else None
         self._sync = True
         self._unsynced_grads = False
         self._hooks = []
@@ -218,9 +226,35 @@ class ZeroOptimizer(MasterWeightOptimizer):
         return ([self.dp_group] if self.world > 1 else []) + super()._norm_groups()
 
     def _publish(self) -> None:
-        all_gather_params(self.params, self.shards, self.masters, self.world,
-                          self.bucket_numel, self._comm, self.fp8_gather_mask,
-                          direct=self.fp8_direct.plan())
+        self.wait_params()  # an overlapped gather left pending (no forward since) lands first
+        launched = all_gather_params(self.params, self.shards, self.masters, self.world,
+                                     self.bucket_numel, self._comm, self.fp8_gather_mask,
+                                     direct=self.fp8_direct.plan(),
+                                     defer=self._overlap is not None)
+        if self._overlap is not None:
+            self._overlap.hold(launched)
+
+    def wait_params(self) -> None:
+        """Finish the last step's overlapped all-gather (``overlap_allgather``): afterwards
+        every working parameter holds the stepped value. A no-op otherwise; the next forward
+        and ``state_dict`` / ``load_state_dict`` calls do it themselves."""
+        if self._overlap is not None:
+            self._overlap.wait()
+
+    def bind_overlap(self, model: torch.nn.Module) -> None:
+        """With ``overlap_allgather``, hook ``model``'s modules so each unpacks its own
+        parameters before its forward (and its ``state_dict`` / ``load_state_dict``); the
+        plugin calls it on the model it boosts. A no-op otherwise."""
+        if self._overlap is not None:
+            self._overlap.bind(model, self.params)
+
+    def sync_master_from_model(self) -> None:
+        if self._overlap is not None and self._overlap.pending:
+            raise RuntimeError(
+                "overlap_allgather: parameters were written while the last step's all-gather "
+                "was still pending, so it would overwrite them; call optimizer.wait_params() "
+                "before writing parameters by hand (model.load_state_dict does it itself)")
+        super().sync_master_from_model()
 
     def _full_chunk(self, chunk: torch.Tensor, shard: ParamShard) -> torch.Tensor:
         if self.world == 1:
@@ -257,6 +291,8 @@ class ZeroOptimizer(MasterWeightOptimizer):
             h.remove()
         self._hooks.clear()
         self.fp8_direct.remove_hooks()
+        if self._overlap is not None:
+            self._overlap.remove_hooks()
 
     # ------------------------------------------------------------- direct FP8 weight operands
     def bind_fp8_layers(self, model: torch.nn.Module) -> None:

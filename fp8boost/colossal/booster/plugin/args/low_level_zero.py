@@ -18,11 +18,13 @@ class LowLevelZeroPlugin(plugins.LowLevelZeroPlugin):
     Args:
         min_scale, growth_factor, backoff_factor, max_scale: fp16 loss scaling, as Colossal-AI
             (``hysteresis``: only 1 is implemented; other values log once under fp16).
-        norm_type, communication_dtype, overlap_allgather, verbose, cast_inputs, extra_dp_size:
+        norm_type, communication_dtype, verbose, cast_inputs, extra_dp_size:
             :func:`low_level_zero_args`: ``norm_type`` must be 2.0, ``communication_dtype``
             None or the working dtype, ``cast_inputs`` True and ``extra_dp_size`` 1 (else
-            ``ValueError`` naming the alternative); ``overlap_allgather``/``verbose`` tune
-            Colossal-AI internals (INFO once). Colossal-AI's defaults ``stage=1``,
+            ``ValueError`` naming the alternative); ``verbose`` tunes a Colossal-AI internal
+            (INFO once).
+        overlap_allgather: fp8boost's own option of that name (the post-step parameter
+            all-gather overlapped with the next forward). Colossal-AI's defaults ``stage=1``,
             ``precision="fp16"``, ``initial_scale=2**32`` differ from fp8boost's (2,
             ``"bf16"``, 2**16: FP8 training wants BF16).
         **native: ``fp8boost.plugins.LowLevelZeroPlugin``'s arguments.
@@ -33,10 +35,9 @@ class LowLevelZeroPlugin(plugins.LowLevelZeroPlugin):
                  max_scale: float = 2 ** 32, communication_dtype: Optional[torch.dtype] = None,
                  overlap_allgather: bool = False, verbose: bool = False, cast_inputs: bool = True,
                  extra_dp_size: int = 1, **native) -> None:
-        super().__init__(**native)
+        super().__init__(overlap_allgather=overlap_allgather, **native)
         low_level_zero_args(precision=self.precision, norm_type=norm_type,
-                            communication_dtype=communication_dtype,
-                            overlap_allgather=overlap_allgather, verbose=verbose,
+                            communication_dtype=communication_dtype, verbose=verbose,
                             cast_inputs=cast_inputs, extra_dp_size=extra_dp_size)
         self.loss_scale_kwargs = loss_scale_args(
             "low_level_zero", self.precision, min_scale=min_scale, growth_factor=growth_factor,
@@ -44,11 +45,10 @@ class LowLevelZeroPlugin(plugins.LowLevelZeroPlugin):
 
 
 def low_level_zero_args(*, precision: str, norm_type: float, communication_dtype: object,
-                        overlap_allgather: bool, verbose: bool, cast_inputs: bool,
-                        extra_dp_size: int) -> None:
+                        verbose: bool, cast_inputs: bool, extra_dp_size: int) -> None:
     """Validate Colossal-AI's extra ``LowLevelZeroPlugin`` arguments (no collectives)."""
     check_type("norm_type", norm_type, (int, float), "a number")
-    check_bools(overlap_allgather=overlap_allgather, verbose=verbose, cast_inputs=cast_inputs)
+    check_bools(verbose=verbose, cast_inputs=cast_inputs)
     check_type("extra_dp_size", extra_dp_size, (int,), "an int >= 1")
     if extra_dp_size < 1:
         raise ValueError(f"extra_dp_size must be an int >= 1, got {extra_dp_size!r}")
@@ -67,9 +67,6 @@ def low_level_zero_args(*, precision: str, norm_type: float, communication_dtype
             "keep FP32 inputs")
     check_comm_dtype("low_level_zero", communication_dtype, precision)
     log_tuning("low_level_zero", [
-        ("overlap_allgather", overlap_allgather, False,
-         "the ZeRO parameter all-gather runs after the step, not overlapped with the next "
-         "forward"),
         ("verbose", verbose, False,
          "fp8boost reports through the 'fp8boost' loggers (plugin.comm_report for FP8 comm)"),
     ])

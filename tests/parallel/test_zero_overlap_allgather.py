@@ -1,0 +1,161 @@
+"""ZeRO's ``overlap_allgather`` (gloo, 2 ranks): the post-step all-gather unpacked by the next
+forward, bit-identical to the gather that ``step()`` finishes itself.
+
+One spawn checks, for stage 1 and 2, BF16 and FP8 (direct path bound) parameter gathers:
+* after ``step()`` the gather is pending and the parameters still hold their old values;
+* the next forward unpacks them (module pre-hooks): losses, parameters and the Fp8Linear
+  layers' gathered FP8 operands equal the non-overlapped run bit for bit, step after step,
+  also with every layer compiled with ``fullgraph=True`` (the hooks run outside the graph);
+* ``state_dict()`` and ``load_state_dict()`` of the model finish the gather first (a load is
+  never overwritten by a late unpack); re-reading masters from parameters written while a
+  gather is pending raises, naming ``wait_params()``;
+* ``LowLevelZeroPlugin(overlap_allgather=True)`` binds the hooks and trains like the default.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.dist_utils import run_distributed
+
+
+def _model(fp8: bool) -> nn.Module:
+    from fp8boost.fp8 import Fp8Config, Fp8Linear
+    torch.manual_seed(0)
+    if fp8:
+        cfg = Fp8Config(backend="emulated", min_numel=0)
+        layers = [Fp8Linear(32, 64, config=cfg), nn.Tanh(), Fp8Linear(64, 48, config=cfg),
+                  nn.Tanh(), Fp8Linear(48, 16, config=cfg)]
+    else:
+        layers = [nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 16)]
+    return nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _optimizer(model: nn.Module, stage: int, fp8: bool, overlap: bool):
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.parallel.comm.plan import CommPlan, CommRoute
+    from fp8boost.parallel.zero import ZeroOptimizer
+    plan = None
+    if fp8:
+        plan = CommPlan(requested=True, engine="zero", config=Fp8CommConfig(min_payload_numel=0),
+                        param_all_gather=CommRoute(fp8=True, why_not=""))
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        dp_group=dist.group.WORLD, stage=stage, comm_plan=plan,
+                        fp8_params=[model[i].weight for i in (0, 2, 4)] if fp8 else None,
+                        reduce_bucket_numel=1500, overlap_allgather=overlap)
+    opt.bind_fp8_layers(model)
+    opt.bind_overlap(model)
+    return opt
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return (torch.randn(8, 32, generator=g) * (1 + rank)).to(torch.bfloat16)
+
+
+def _operands(model: nn.Module) -> list:
+    """The gathered FP8 bytes and inverse scale each layer feeds its GEMM (FP8 direct path)."""
+    out = []
+    for m in model:
+        pre = getattr(m, "prequantized_weight", None)
+        if pre is not None:
+            out.append((pre.data.view(torch.uint8).clone(), pre.inv_scale.clone()))
+    return out
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+def _run_pair(rank: int, stage: int, fp8: bool, compiled: bool) -> None:
+    ref, ovl = _model(fp8), _model(fp8)
+    opt_ref, opt_ovl = _optimizer(ref, stage, fp8, False), _optimizer(ovl, stage, fp8, True)
+    if compiled:
+        for m in ovl:
+            if isinstance(m, nn.Linear):
+                m.compile(backend="eager", fullgraph=True)  # a graph break would raise
+    for step in range(3):
+        x = _batch(rank, step)
+        loss_ref = ref(x).float().pow(2).mean()
+        loss_ovl = ovl(x).float().pow(2).mean()  # the pre-hooks unpack the last step's gather
+        assert torch.equal(loss_ref, loss_ovl), (stage, fp8, step)
+        assert not opt_ovl._overlap.pending
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), ovl.parameters()))
+        if fp8:
+            got, want = _operands(ovl), _operands(ref)
+            assert len(got) == len(want) == (3 if step else 0)  # bytes arrive with a step
+            assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+                       for g, w in zip(got, want))
+        before = [p.detach().clone() for p in ovl.parameters()]
+        opt_ref.backward(loss_ref)
+        opt_ovl.backward(loss_ovl)
+        opt_ref.step()
+        opt_ovl.step()
+        opt_ref.zero_grad()
+        opt_ovl.zero_grad()
+        # launched, not unpacked: the working parameters are the old ones until the forward
+        assert opt_ovl._overlap.pending
+        assert all(torch.equal(p, q) for p, q in zip(ovl.parameters(), before))
+        assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), before))
+    # state_dict finishes the pending gather first
+    assert opt_ovl._overlap.pending and _same(ref, ovl) and not opt_ovl._overlap.pending
+    # a load is not overwritten by a late unpack; hand-written params with a pending gather
+    # are refused when masters are re-read from them
+    snapshot = copy.deepcopy(ref.state_dict())
+    x = _batch(rank, 9)
+    for model, opt in ((ref, opt_ref), (ovl, opt_ovl)):
+        opt.backward(model(x).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    assert opt_ovl._overlap.pending
+    with pytest.raises(RuntimeError, match="wait_params"):
+        opt_ovl.sync_master_from_model()
+    ovl.load_state_dict(snapshot)
+    assert not opt_ovl._overlap.pending
+    assert all(torch.equal(v, snapshot[k]) for k, v in ovl.state_dict().items())
+    opt_ovl.sync_master_from_model()  # nothing pending now: accepted
+    opt_ovl.wait_params()  # a no-op
+    opt_ovl.remove_hooks()
+    opt_ref.remove_hooks()
+
+
+def _plugin(rank: int, world: int) -> None:
+    from fp8boost.booster import Booster
+    from fp8boost.plugins import LowLevelZeroPlugin
+    from tests.plugins import helpers as H
+    losses = {}
+    for overlap in (False, True):
+        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, overlap_allgather=overlap))
+        model = H.make_mlp()
+        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        assert (opt._overlap is not None) == overlap
+        losses[overlap] = H.train(booster, model, opt, rank, world, 4)
+    assert losses[True] == losses[False], losses
+
+
+def _worker(rank: int, world: int) -> None:
+    for stage in (2, 1):
+        for fp8 in (False, True):
+            _run_pair(rank, stage, fp8, compiled=False)
+    _run_pair(rank, 2, True, compiled=True)
+    _plugin(rank, world)
+
+
+def test_overlapped_allgather_matches_the_finished_one():
+    run_distributed(_worker, 2, timeout=300)
+
+
+def test_overlap_needs_several_ranks_and_is_off_by_default():
+    """One rank copies the masters in place: nothing to overlap, nothing deferred."""
+    from fp8boost.parallel.zero import ZeroOptimizer
+    model = _model(False)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap_allgather=True)
+    assert opt._overlap is None
+    opt.bind_overlap(model)  # a no-op
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(model(_batch(0, 0)).float().pow(2).mean())
+    opt.step()
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
