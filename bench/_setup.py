@@ -145,6 +145,7 @@ def setup_booster(model, name: str, args, device):
     kind, variant = name.split("_", 1)
     use_fp8, fp8_comm = variant.startswith("fp8"), variant.startswith("fp8_comm")
     rs = {"fp8_reduce_scatter": True} if variant == "fp8_comm_rs" else {}
+    ovl = {"overlap_allgather": True} if variant.endswith("_ovl") else {}  # ZeRO configs only
     # MixedPrecision and every plugin (PluginOptions) take fused_lm_loss as a keyword.
     lm = {"fused_lm_loss": fused_lm_loss_setting(getattr(args, "fused_lm_loss", None))}
     hf_model = model  # boost fuses the loss on this object in place (wrappers keep it)
@@ -187,7 +188,7 @@ def setup_booster(model, name: str, args, device):
     else:
         from fp8boost.plugins import LowLevelZeroPlugin
         plugin = LowLevelZeroPlugin(stage=int(kind[-1]), precision="bf16", use_fp8=use_fp8,
-                                    fp8_communication=fp8_comm, **rs,
+                                    fp8_communication=fp8_comm, **rs, **ovl,
                                     reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg,
                                     **lm)
         booster = Booster(plugin=plugin, device=device)

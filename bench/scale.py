@@ -15,6 +15,7 @@ Configs (``--configs``, comma separated; each plugin family in ``bf16``, ``fp8``
     fsdp2_bf16         the same, compiled with --compile
     torchao_fsdp2      torchao float8 tensorwise + FSDP2 FP8 all-gather (torchtitan's setup)
     zero2_<v>          LowLevelZeroPlugin(stage=2)
+    zero2_<v>_ovl      the same with overlap_allgather=True (post-step all-gather overlapped)
     gemini_<v>         GeminiPlugin (ZeRO-3 on FSDP2)
     tpN_<v>, tpNsp_<v> HybridParallelPlugin(tp_size=N, zero_stage=1[, sequence parallel])
     ppN_<v>            HybridParallelPlugin(pp_size=N, num_microbatches=M, zero_stage=1),
@@ -68,7 +69,8 @@ import _scale_report as rep  # noqa: E402  (bench/_scale_report.py)
 import train  # noqa: E402  (bench/train.py: setup, compile proof, environment, JSON)
 
 VARIANTS = ("bf16", "fp8", "fp8_comm")
-CONFIG_RE = re.compile(r"^(?:(zero2|gemini)|tp(\d+)(sp)?|pp(\d+))_(bf16|fp8|fp8_comm)$")
+CONFIG_RE = re.compile(
+    r"^(?:(zero2|gemini)|tp(\d+)(sp)?|pp(\d+))_(bf16|fp8|fp8_comm)(_ovl)?$")
 BASELINES = list(rep.BASELINES)
 MATRIX_7B = BASELINES + [f"{f}_{v}" for f in ("zero2", "gemini", "tp2", "pp2") for v in VARIANTS]
 MATRIX_35B = ["tp8sp_bf16", "tp8sp_fp8", "tp4sp_bf16", "tp4sp_fp8"]
@@ -92,7 +94,9 @@ def layout_of(name: str, world_size: int) -> dict[str, Any]:
     if m is None:
         raise ValueError(f"unknown config {name!r}: use {BASELINES}, zero2_<v>, gemini_<v>, "
                          f"tpN_<v>, tpNsp_<v> or ppN_<v> with <v> in {VARIANTS}")
-    plain, tp, sp, pp, variant = m.groups()
+    plain, tp, sp, pp, variant, ovl = m.groups()
+    if ovl and plain != "zero2":
+        raise ValueError(f"{name}: _ovl (overlap_allgather) is a ZeRO option: zero2_<v>_ovl")
     tp, pp = int(tp or 1), int(pp or 1)
     if tp < 1 or (m.group(4) and pp < 2) or (sp and tp < 2):
         raise ValueError(f"{name}: tp must be >= 1, pp >= 2, and sequence parallelism needs "

@@ -19,6 +19,7 @@ Configs (``--configs``, comma separated; default: all but ``single_*``; ``all``:
     zero1_bf16, zero1_fp8, zero1_fp8_comm          LowLevelZeroPlugin(stage=1)
     zero2_bf16, zero2_fp8, zero2_fp8_comm          LowLevelZeroPlugin(stage=2)
     zero1_fp8_comm_rs, zero2_fp8_comm_rs, gemini_fp8_comm_rs   ... fp8_reduce_scatter=True
+    zero{1,2}_{bf16,fp8,fp8_comm}_ovl              ... overlap_allgather=True
     gemini_bf16, gemini_fp8, gemini_fp8_comm       GeminiPlugin (ZeRO-3 on FSDP2)
     torchfsdp_bf16, torchfsdp_fp8, torchfsdp_fp8_comm   TorchFSDPPlugin (plain FSDP2)
     tp2_bf16, tp2_fp8, tp2_fp8_comm                HybridParallelPlugin(tp_size=2, zero_stage=1)
@@ -96,8 +97,11 @@ PLUGIN_CONFIGS = [f"{p}_{v}" for p in ("ddp", "zero1", "zero2", "gemini", "torch
                   for v in ("bf16", "fp8", "fp8_comm")]
 # *_fp8_comm_rs: FP8 communication with FP8 gradient reduce-scatter too (off by default).
 RS_CONFIGS = ["zero1_fp8_comm_rs", "zero2_fp8_comm_rs", "gemini_fp8_comm_rs"]
+# *_ovl: ZeRO's post-step parameter all-gather overlapped with the next forward
+# (LowLevelZeroPlugin(overlap_allgather=True)); off by default.
+OVL_CONFIGS = [f"zero{s}_{v}_ovl" for s in (1, 2) for v in ("bf16", "fp8", "fp8_comm")]
 ALL_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", "single_bf16", "single_fp8", "single_torchao",
-               *PLUGIN_CONFIGS, *RS_CONFIGS]
+               *PLUGIN_CONFIGS, *RS_CONFIGS, *OVL_CONFIGS]
 TORCHAO_CONFIGS = ("torchao_fsdp2", "single_torchao")
 DEFAULT_CONFIGS = ["fsdp2_bf16", "torchao_fsdp2", *PLUGIN_CONFIGS]
 

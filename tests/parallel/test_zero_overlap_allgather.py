@@ -3,9 +3,10 @@ forward, bit-identical to the gather that ``step()`` finishes itself.
 
 One spawn checks, for stage 1 and 2, BF16 and FP8 (direct path bound) parameter gathers:
 * after ``step()`` the gather is pending and the parameters still hold their old values;
-* the next forward unpacks them (module pre-hooks): losses, parameters and the Fp8Linear
-  layers' gathered FP8 operands equal the non-overlapped run bit for bit, step after step,
-  also with every layer compiled with ``fullgraph=True`` (the hooks run outside the graph);
+* the next forward unpacks them (pre-hooks on the repeated blocks and the other modules):
+  losses, parameters and the Fp8Linear layers' gathered FP8 operands equal the non-overlapped
+  run bit for bit, step after step, also with the blocks compiled (``compile_blocks``,
+  ``fullgraph=True``), in as many graphs as without overlap;
 * ``state_dict()`` and ``load_state_dict()`` of the model finish the gather first (a load is
   never overwritten by a late unpack); re-reading masters from parameters written while a
   gather is pending raises, naming ``wait_params()``;
@@ -21,16 +22,39 @@ from torch import nn
 from tests.dist_utils import run_distributed
 
 
+class _Block(nn.Module):
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.up, self.down = linear(32, 64), linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Net(nn.Module):
+    """Two repeated blocks in a ModuleList (what compile_blocks compiles) and a head."""
+
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(linear), _Block(linear)])
+        self.head = linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
 def _model(fp8: bool) -> nn.Module:
     from fp8boost.fp8 import Fp8Config, Fp8Linear
     torch.manual_seed(0)
-    if fp8:
-        cfg = Fp8Config(backend="emulated", min_numel=0)
-        layers = [Fp8Linear(32, 64, config=cfg), nn.Tanh(), Fp8Linear(64, 48, config=cfg),
-                  nn.Tanh(), Fp8Linear(48, 16, config=cfg)]
-    else:
-        layers = [nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 16)]
-    return nn.Sequential(*layers).to(torch.bfloat16)
+    cfg = Fp8Config(backend="emulated", min_numel=0)
+    linear = (lambda i, o: Fp8Linear(i, o, config=cfg)) if fp8 else nn.Linear
+    return _Net(linear).to(torch.bfloat16)
+
+
+def _fp8_weights(model: nn.Module) -> list:
+    return [m.weight for m in model.modules() if hasattr(m, "prequantized_weight")]
 
 
 def _optimizer(model: nn.Module, stage: int, fp8: bool, overlap: bool):
@@ -43,7 +67,7 @@ def _optimizer(model: nn.Module, stage: int, fp8: bool, overlap: bool):
                         param_all_gather=CommRoute(fp8=True, why_not=""))
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                         dp_group=dist.group.WORLD, stage=stage, comm_plan=plan,
-                        fp8_params=[model[i].weight for i in (0, 2, 4)] if fp8 else None,
+                        fp8_params=_fp8_weights(model) if fp8 else None,
                         reduce_bucket_numel=1500, overlap_allgather=overlap)
     opt.bind_fp8_layers(model)
     opt.bind_overlap(model)
@@ -58,7 +82,7 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 def _operands(model: nn.Module) -> list:
     """The gathered FP8 bytes and inverse scale each layer feeds its GEMM (FP8 direct path)."""
     out = []
-    for m in model:
+    for m in model.modules():
         pre = getattr(m, "prequantized_weight", None)
         if pre is not None:
             out.append((pre.data.view(torch.uint8).clone(), pre.inv_scale.clone()))
@@ -70,13 +94,30 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
                                                  b.state_dict().values()))
 
 
-def _run_pair(rank: int, stage: int, fp8: bool, compiled: bool) -> None:
+def _graphs(rank: int, overlap: bool) -> dict:
+    """dynamo's counts over 3 steps of the FP8 model, its blocks compiled (fullgraph)."""
+    from torch._dynamo.utils import counters
+
+    from fp8boost.compile import compile_blocks
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(True)
+    opt = _optimizer(model, 2, True, overlap)
+    compile_blocks(model, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        opt.backward(model(_batch(rank, step)).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    opt.remove_hooks()
+    return dict(counters["stats"])
+
+
+def _run_pair(rank: int, stage: int, fp8: bool, compiled: bool = False) -> None:
+    from fp8boost.compile import compile_blocks
     ref, ovl = _model(fp8), _model(fp8)
     opt_ref, opt_ovl = _optimizer(ref, stage, fp8, False), _optimizer(ovl, stage, fp8, True)
-    if compiled:
-        for m in ovl:
-            if isinstance(m, nn.Linear):
-                m.compile(backend="eager", fullgraph=True)  # a graph break would raise
+    if compiled:  # fullgraph: a graph break inside a block raises
+        compile_blocks(ovl, backend="aot_eager", fullgraph=True)
     for step in range(3):
         x = _batch(rank, step)
         loss_ref = ref(x).float().pow(2).mean()
@@ -86,7 +127,7 @@ def _run_pair(rank: int, stage: int, fp8: bool, compiled: bool) -> None:
         assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), ovl.parameters()))
         if fp8:
             got, want = _operands(ovl), _operands(ref)
-            assert len(got) == len(want) == (3 if step else 0)  # bytes arrive with a step
+            assert len(got) == len(want) == (5 if step else 0)  # bytes arrive with a step
             assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
                        for g, w in zip(got, want))
         before = [p.detach().clone() for p in ovl.parameters()]
@@ -139,8 +180,11 @@ def _plugin(rank: int, world: int) -> None:
 def _worker(rank: int, world: int) -> None:
     for stage in (2, 1):
         for fp8 in (False, True):
-            _run_pair(rank, stage, fp8, compiled=False)
+            _run_pair(rank, stage, fp8)
     _run_pair(rank, 2, True, compiled=True)
+    # The hooks split no block's graph: as many graphs as without overlap_allgather (a hook
+    # on a module inside a compiled block would add frames).
+    assert _graphs(rank, True) == _graphs(rank, False)
     _plugin(rank, world)
 
 

@@ -16,9 +16,10 @@ from parameters written while a gather is pending raises, naming it). All gather
 unpacked: one more copy of the parameters, in their wire dtype (FP8 with
 ``fp8_communication``).
 
-The hooks run eagerly inside compiled blocks (``torch._disable_dynamo(recursive=True)``, as
-FSDP2's hooks do): dynamo calls them without tracing them, so a block still compiles to one
-graph.
+The forward hooks sit on the repeated blocks (``fp8boost.hf_model.find_blocks``, the modules
+``compile_blocks`` compiles) and on the modules outside them, and run eagerly
+(``torch._disable_dynamo(recursive=True)``, as FSDP2's hooks do): dynamo calls them without
+tracing them, so each compiled block is still one graph.
 
 Example:
     >>> import torch
@@ -32,6 +33,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from fp8boost.hf_model import find_blocks
 
 from .buckets import LaunchedGathers
 
@@ -65,16 +68,34 @@ class OverlappedGather:
                 self._launched = None
 
     def bind(self, model: nn.Module, params: list[torch.Tensor]) -> None:
-        """Hook every module of ``model`` that owns some of ``params`` (the optimizer's list):
-        before its forward, its ``state_dict`` and its ``load_state_dict``, its parameters are
-        unpacked."""
+        """Hook ``model`` so that the parameters among ``params`` (the optimizer's list) are
+        unpacked before they are used: before the forward of each repeated block (all of its
+        parameters) and of each other module owning some, and before any owning module's
+        ``state_dict`` and ``load_state_dict``.
+
+        Forward hooks sit on the blocks, not inside them: ``compile_blocks`` compiles each
+        block, and dynamo runs a disabled hook of a module inside a compiled block by
+        splitting the block's graph there.
+        """
         index = {id(p): i for i, p in enumerate(params)}
+
+        def owned_by(module: nn.Module, recurse: bool) -> list[int]:
+            return sorted({index[id(p)] for p in module.parameters(recurse=recurse)
+                           if id(p) in index})
+
+        in_blocks: set[int] = set()
+        for block in find_blocks(model):
+            in_blocks.update(id(m) for m in block.modules())
+            owned = owned_by(block, True)
+            if owned:
+                self._handles.append(block.register_forward_pre_hook(self._forward_hook(owned)))
         for module in model.modules():
-            owned = sorted({index[id(p)] for p in module.parameters(recurse=False)
-                            if id(p) in index})
+            owned = owned_by(module, False)
             if not owned:
                 continue
-            self._handles.append(module.register_forward_pre_hook(self._forward_hook(owned)))
+            if id(module) not in in_blocks:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._forward_hook(owned)))
             self._handles.append(module.register_state_dict_pre_hook(self._state_hook(owned)))
             # before weights are loaded into it: the pending gather must not land on them later
             self._handles.append(module.register_load_state_dict_pre_hook(
