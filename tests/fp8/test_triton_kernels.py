@@ -312,6 +312,23 @@ def test_compile_dynamic_shapes_keep_the_dispatching_gemm_op(caplog):
     assert len(said) == 1 and "dynamic=False" in said[0]
 
 
+@pytest.mark.parametrize("dynamic", [True, False, None], ids=["dynamic", "static", "auto"])
+def test_static_shapes_tells_symbolic_sizes_while_dynamo_traces(dynamic):
+    """compiled_mm asks static_shapes while dynamo traces, where type() of a symbolic size
+    answers int: a symbolic size must still read as such (it would reach the trace-time plan,
+    which takes constants only: an error on the GPU). Automatic dynamic: static first, then
+    symbolic once dynamo marks the size dynamic."""
+    from fp8boost.fp8.kernels.gemm_direct import static_shapes
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * (2 if static_shapes(x) else 3), dynamic=dynamic,
+                      fullgraph=True, backend="eager")
+    seen = [f(torch.ones(n, 16))[0, 0].item() for n in (32, 48, 64)]
+    want = {True: [3.0] * 3, False: [2.0] * 3, None: [2.0, 3.0, 3.0]}[dynamic]
+    assert seen == want
+    assert static_shapes(torch.ones(4, 16), None)  # eager: plain ints
+
+
 def test_trace_time_plan_reads_the_tuner_decision(monkeypatch):
     """gemm_direct._plan (a constant of dynamo's trace): the cached decision for the GEMM's
     layout decides whether the graph launches the Triton TMA kernel itself ("tma", the SM
@@ -495,6 +512,32 @@ class TestGpu:
         y.float().square().mean().backward()
         for t, e in zip((y, xi.grad, layer.weight.grad), outs["triton"]):
             assert _rel_err(t, e.float()) < 1e-2
+
+    def test_compiled_gemm_with_dynamic_sizes_keeps_the_run_time_op(self):
+        """A symbolic token count under torch.compile(dynamic=True) cannot take the traced
+        launch (its plan needs constants): the graph calls the run-time op, and the result
+        equals the eager GEMM's."""
+        from torch._inductor.utils import run_and_get_code
+
+        from fp8boost.fp8.kernels import gemm
+        from fp8boost.fp8.kernels.backend import TritonBackend
+
+        be = TritonBackend(allow_cublas=True)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        b = torch.randn(1024, 768, device="cuda", generator=g).to(E4M3)
+        sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
+        torch._dynamo.reset()
+        f = torch.compile(lambda a: be.mm(a, b, sa, sb, out_dtype=torch.bfloat16,
+                                          use_fast_accum=True), dynamic=True, fullgraph=True)
+        for m in (1536, 1024):  # the second size runs the same (symbolic) graph
+            a = (torch.randn(m, 768, device="cuda", generator=g) * 8).to(E4M3)
+            with torch._inductor.config.patch(force_disable_caches=True):
+                out, codes = run_and_get_code(f, a)
+            if m == 1536:
+                code = "\n".join(codes)
+                assert "fp8boost.scaled_mm.default" in code and "_gemm_tma_kernel" not in code
+            assert torch.equal(out, gemm.mm(a, b, sa, sb, None, torch.bfloat16, True,
+                                            allow_cublas=True))
 
     @pytest.mark.parametrize("fast", [True, False], ids=["fast", "promoted"])
     def test_compiled_gemm_is_dispatched_at_trace_time(self, fast, monkeypatch, tmp_path):

@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import has_static_value
 from torch.library import triton_op
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -54,9 +55,14 @@ from .ops import reference_scaled_mm  # also registers fp8boost::scaled_mm
 
 
 def static_shapes(*tensors: Optional[Tensor]) -> bool:
-    """Whether every size and stride is a plain int (a symbolic one cannot key the tuner)."""
-    return all(t is None or all(type(d) is int for d in (*t.shape, *t.stride()))
-               for t in tensors)
+    """Whether every size and stride is a plain int (a symbolic one cannot key the tuner).
+
+    Right both where it runs: in a ``triton_op``'s body (traced by make_fx) a symbolic size is
+    a ``torch.SymInt``; while dynamo traces (:func:`compiled_mm`) ``type()`` of a symbolic size
+    answers ``int``, and ``has_static_value`` (which dynamo evaluates on the symbol) tells.
+    """
+    return all(t is None or all(type(d) is int and has_static_value(d)
+                                for d in (*t.shape, *t.stride())) for t in tensors)
 
 
 @triton_op("fp8boost::scaled_mm_direct", mutates_args=())
@@ -110,7 +116,7 @@ def compiled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
     wrapper; everything else (cuBLAS, the pointer kernel, symbolic or empty shapes, other
     devices) goes through :func:`scaled_mm_direct`.
     """
-    if a.device.type == "cuda" and _sizes_known(a, b, bias) and min(*a.shape, b.shape[0]) > 0:
+    if a.device.type == "cuda" and static_shapes(a, b, bias) and min(*a.shape, b.shape[0]) > 0:
         # No storage offsets: dynamo cannot trace storage_offset() (torch 2.11). The plan
         # assumes 16-byte aligned bases, as every allocation is; an operand that is a view at
         # an unaligned offset fails at the launch with Triton's "base must be 16-byte aligned".
@@ -122,12 +128,6 @@ def compiled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor,
                                bool(use_fast_accum), plan)
     return scaled_mm_direct(a, b, a_inv_scale, b_inv_scale, bias, out_dtype,
                             bool(use_fast_accum), bool(allow_cublas))
-
-
-def _sizes_known(*tensors: Optional[Tensor]) -> bool:
-    """No symbolic size or stride (dynamo sees a SymInt as one; a plain int is a constant)."""
-    return not any(isinstance(d, torch.SymInt) for t in tensors if t is not None
-                   for d in (*t.shape, *t.stride()))
 
 
 def _launch_tma(a, b, a_inv_scale, b_inv_scale, bias, out_dtype, fast, plan) -> Tensor:
