@@ -141,6 +141,14 @@ def _run_pair(rank: int, stage: int, fp8: bool, compiled: bool = False) -> None:
         assert opt_ovl._overlap.pending
         assert all(torch.equal(p, q) for p, q in zip(ovl.parameters(), before))
         assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), before))
+    # Launch order follows the model: the first block's buckets (its FP8 weights and its
+    # biases, two kinds of bucket) all go before the head's (else its forward would wait for
+    # the whole gather).
+    of = opt_ovl._overlap._launched._bucket_of
+    index = {id(p): i for i, p in enumerate(opt_ovl.params)}
+    first = [of[index[id(p)]] for p in ovl.layers[0].parameters()]
+    last = [of[index[id(p)]] for p in ovl.head.parameters()]
+    assert max(first) < min(last), (first, last)
     # state_dict finishes the pending gather first
     assert opt_ovl._overlap.pending and _same(ref, ovl) and not opt_ovl._overlap.pending
     # a load is not overwritten by a late unpack; hand-written params with a pending gather

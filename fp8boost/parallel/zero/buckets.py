@@ -225,7 +225,7 @@ def all_gather_params(params: list[torch.Tensor], shards: list[ParamShard],
         ctx = _GatherCtx(params, shards, masters, world, comm, kinds, direct, scales)
         if defer:
             return LaunchedGathers([_launch_gather(bucket, ctx) for bucket in _gather_buckets(
-                params, shards, kinds, world, bucket_numel)], ctx)
+                params, shards, kinds, world, bucket_numel, together=True)], ctx)
         in_flight: deque = deque()
         for bucket in _gather_buckets(params, shards, kinds, world, bucket_numel):
             in_flight.append(_launch_gather(bucket, ctx))
@@ -289,7 +289,14 @@ class _GatherCtx:
         self.comm, self.kinds, self.direct, self.scales = comm, kinds, direct, scales
 
 
-def _gather_buckets(params, shards, kinds, world, bucket_numel):
+def _gather_buckets(params, shards, kinds, world, bucket_numel, together: bool = False):
+    """Parameter indices per bucket (one dtype, device and kind each), in launch order.
+
+    ``together`` (the overlapped gather): when one bucket fills, the open buckets of the other
+    kinds go with it, oldest first. Launch order then follows parameter order: the forward of
+    the first block does not wait behind a bucket of small tensors (biases, norms) that would
+    otherwise fill only at the end of the model (NCCL runs collectives in launch order).
+    """
     buckets: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     for i, p in enumerate(params):
@@ -298,10 +305,16 @@ def _gather_buckets(params, shards, kinds, world, bucket_numel):
         key = (p.dtype, p.device, kinds[i])
         buckets.setdefault(key, []).append(i)
         sizes[key] = sizes.get(key, 0) + shards[i].chunk * world
-        if sizes[key] >= bucket_numel:
+        if sizes[key] < bucket_numel:
+            continue
+        if together:
+            yield from sorted(buckets.values(), key=lambda b: b[0])
+            buckets.clear()
+            sizes.clear()
+        else:
             yield buckets.pop(key)
             sizes.pop(key)
-    yield from (b for b in buckets.values() if b)
+    yield from sorted((b for b in buckets.values() if b), key=lambda b: b[0])
 
 
 def _launch_gather(items: list[int], ctx: _GatherCtx):

@@ -3,17 +3,18 @@
 Without it, ``ZeroOptimizer.step()`` all-gathers every updated parameter and unpacks it
 before returning: on 4×H200 (LLaMA2-7B, ZeRO-2) that all-gather ran with no compute beside it,
 93 ms of a 611 ms step with BF16 parameters and 199 ms with FP8 (BENCHMARKS.md, "4 GPUs").
-With it, ``step()`` only launches the buckets; each module unpacks the buckets holding its own
-parameters (and the ones launched before them) in a forward pre-hook, so the all-gathers of
-later layers run while earlier layers compute. Colossal-AI's ``LowLevelZeroPlugin`` and
-``HybridParallelPlugin`` take the same ``overlap_allgather`` argument.
+With it, ``step()`` only launches the buckets, in parameter order (a bucket of small tensors
+goes out with the large one that fills, not at the end); each module unpacks the buckets holding
+its own parameters (and the ones launched before them) in a forward pre-hook, so the
+all-gathers of later layers run while earlier layers compute. ``LowLevelZeroPlugin
+(overlap_allgather=True)`` turns it on; Colossal-AI's argument of the same name maps to it.
 
 What changes for the user: between ``step()`` and the next forward, the working parameters
 still hold their old values. ``state_dict()`` and ``load_state_dict()`` of any module, and the
 optimizer's next ``step()`` or ``load_state_dict()``, finish the gathers first; code that reads
 or writes parameters directly in between calls ``optimizer.wait_params()`` (re-reading masters
-from parameters written while a gather is pending raises, naming it). All gathered buckets exist at once until
-unpacked: one more copy of the parameters, in their wire dtype (FP8 with
+from parameters written while a gather is pending raises, naming it). All gathered buckets
+exist at once until unpacked: one more copy of the parameters, in their wire dtype (FP8 with
 ``fp8_communication``).
 
 The forward hooks sit on the repeated blocks (``fp8boost.hf_model.find_blocks``, the modules
