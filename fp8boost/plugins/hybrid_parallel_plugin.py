@@ -116,6 +116,9 @@ class HybridParallelPlugin(Plugin):
             NVLink; for slow links). Needs ``fp8_communication``.
         overlap_communication, reduce_bucket_size_in_m, cpu_offload: ZeRO options, as in
             ``LowLevelZeroPlugin``.
+        overlap_allgather: ZeRO's post-step parameter all-gather overlapped with the next
+            forward, as in ``LowLevelZeroPlugin``; with ``zero_stage`` 1 or 2 and
+            ``pp_size=1`` (else it does not apply, said once at INFO).
         initial_scale, growth_interval: fp16 dynamic loss scaling.
         num_microbatches: micro-batches per ``execute_pipeline`` step (must divide the batch),
             or microbatch_size: rows per micro-batch (must divide the batch). One is required
@@ -159,7 +162,7 @@ class HybridParallelPlugin(Plugin):
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1,
                  num_layers_per_stage: Optional[list] = None, gradient_checkpoint_config=None,
-                 **options) -> None:
+                 overlap_allgather: bool = False, **options) -> None:
         super().__init__(**options)  # precision, FP8, clipping, loss scaling: PluginOptions
         self.gradient_checkpoint_config = check_ckpt_config(gradient_checkpoint_config)
         self.tp_size = _check_int("tp_size", tp_size, 1)
@@ -169,7 +172,7 @@ class HybridParallelPlugin(Plugin):
                              f"{zero_stage!r}")
         for name, value in (("enable_sequence_parallelism", enable_sequence_parallelism),
                             ("overlap_communication", overlap_communication),
-                            ("cpu_offload", cpu_offload)):
+                            ("cpu_offload", cpu_offload), ("overlap_allgather", overlap_allgather)):
             check_bool(name, value)
         self.sequence_parallelism_mode, self.sp_size = self._check_sp(
             enable_sequence_parallelism, sequence_parallelism_mode, sp_size)
@@ -183,6 +186,13 @@ class HybridParallelPlugin(Plugin):
         self.enable_sequence_parallelism = enable_sequence_parallelism
         self.custom_policy = custom_policy
         self.overlap_communication, self.cpu_offload = overlap_communication, cpu_offload
+        self.overlap_allgather = overlap_allgather and zero_stage > 0 and self.pp_size == 1
+        if overlap_allgather and not self.overlap_allgather:
+            _state.log_once(logger, "hybrid-overlap-allgather-na",
+                            "fp8boost: HybridParallelPlugin(overlap_allgather=True) applies to "
+                            "the ZeRO parameter all-gather with zero_stage 1 or 2 and "
+                            f"pp_size=1; here (zero_stage={zero_stage}, pp_size={self.pp_size}) "
+                            "parameters are gathered after the step", level=logging.INFO)
         self.tp_state = None
         self.pp_state = None
         self.input_guard = None  # ReplicaInputGuard, set by boost when a replica spans ranks
@@ -309,8 +319,9 @@ class HybridParallelPlugin(Plugin):
             comm_plan=self.comm_plan, fp8_params=self.comm_plan.fp8_gather_params(model),
             tp_group=topo.group("tp") if self.tp_size > 1 else None,
             tp_replicated=replicated, pp_group=topo.group("pp") if self.pp_size > 1 else None,
-            pp_counted_elsewhere=self._tied_copy())
+            pp_counted_elsewhere=self._tied_copy(), overlap_allgather=self.overlap_allgather)
         opt.bind_fp8_layers(model)
+        opt.bind_overlap(model)  # overlap_allgather: blocks unpack their own before forward
         return opt
 
     def bind_checkpoint_io(self, model: nn.Module, optimizer) -> None:

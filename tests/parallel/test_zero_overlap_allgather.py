@@ -10,7 +10,8 @@ One spawn checks, for stage 1 and 2, BF16 and FP8 (direct path bound) parameter 
 * ``state_dict()`` and ``load_state_dict()`` of the model finish the gather first (a load is
   never overwritten by a late unpack); re-reading masters from parameters written while a
   gather is pending raises, naming ``wait_params()``;
-* ``LowLevelZeroPlugin(overlap_allgather=True)`` binds the hooks and trains like the default.
+* ``LowLevelZeroPlugin`` and ``HybridParallelPlugin(zero_stage=1)`` with
+  ``overlap_allgather=True`` bind the hooks and train like the default.
 """
 import copy
 
@@ -172,17 +173,21 @@ def _run_pair(rank: int, stage: int, fp8: bool, compiled: bool = False) -> None:
 
 
 def _plugin(rank: int, world: int) -> None:
+    """Both plugins that take the option bind it and train as without it."""
     from fp8boost.booster import Booster
-    from fp8boost.plugins import LowLevelZeroPlugin
+    from fp8boost.plugins import HybridParallelPlugin, LowLevelZeroPlugin
     from tests.plugins import helpers as H
-    losses = {}
-    for overlap in (False, True):
-        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, overlap_allgather=overlap))
-        model = H.make_mlp()
-        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.05))
-        assert (opt._overlap is not None) == overlap
-        losses[overlap] = H.train(booster, model, opt, rank, world, 4)
-    assert losses[True] == losses[False], losses
+    plugins = {"zero": lambda o: LowLevelZeroPlugin(stage=2, overlap_allgather=o),
+               "hybrid": lambda o: HybridParallelPlugin(zero_stage=1, overlap_allgather=o)}
+    for name, make in plugins.items():
+        losses = {}
+        for overlap in (False, True):
+            booster = Booster(plugin=make(overlap))
+            model = H.make_mlp()
+            model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.05))
+            assert (opt._overlap is not None) == overlap, name
+            losses[overlap] = H.train(booster, model, opt, rank, world, 4)
+        assert losses[True] == losses[False], (name, losses)
 
 
 def _worker(rank: int, world: int) -> None:

@@ -64,12 +64,12 @@ COLOSSAL = {
 KEYS = [f"colossal-args.{plugin}.{name}" for plugin, names in (
     ("hybrid", "enable_all_optimization enable_fused_normalization enable_flash_attention "
                "enable_jit_fused enable_sequence_overlap enable_metadata_cache overlap_p2p "
-               "overlap_allgather dp_outside make_vocab_size_divisible_by inner_ring_size "
+               "dp_outside make_vocab_size_divisible_by inner_ring_size "
                "broadcast_buffers ddp_bucket_cap_mb find_unused_parameters check_reduction "
                "gradient_as_bucket_view static_graph scheduler_nodes communication_dtype "
                "hysteresis loss-scale pipeline-options"),
     ("low_level_zero", "verbose communication_dtype hysteresis loss-scale"),
-    ("ddp", "check_reduction")) for name in names.split()]
+    ("ddp", "check_reduction")) for name in names.split()] + ["hybrid-overlap-allgather-na"]
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +112,7 @@ def test_defaults_are_silent(caplog):
     (HybridParallelPlugin, dict(enable_jit_fused=True), ["model's own modules"]),
     (HybridParallelPlugin, dict(enable_metadata_cache=False), ["pipelining"]),
     (HybridParallelPlugin, dict(overlap_p2p=False), ["pipelining"]),
-    (HybridParallelPlugin, dict(overlap_allgather=True), ["after the step"]),
+    (HybridParallelPlugin, dict(overlap_allgather=True), ["zero_stage 1 or 2", "pp_size=1"]),
     (HybridParallelPlugin, dict(make_vocab_size_divisible_by=128), ["does not pad"]),
     (HybridParallelPlugin, dict(inner_ring_size=2), ["ring attention"]),
     (HybridParallelPlugin, dict(find_unused_parameters=True), ["ZeRO optimizer"]),
@@ -229,11 +229,12 @@ def test_wrong_types_raise_type_error(cls, kwargs):
         cls(**kwargs)
 
 
-def test_low_level_zero_overlap_allgather_is_fp8boosts_own(caplog):
+def test_overlap_allgather_is_fp8boosts_own(caplog):
     """Colossal-AI's ``overlap_allgather`` reaches fp8boost's ZeRO (the post-step all-gather
-    overlapped with the next forward: tests/parallel/test_zero_overlap_allgather.py), silently;
-    HybridParallelPlugin's still logs that it runs after the step."""
+    overlapped with the next forward: tests/parallel/test_zero_overlap_allgather.py), silently
+    where it applies; the hybrid plugin says once where it does not (no ZeRO, or pp)."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     assert LowLevelZeroPlugin(overlap_allgather=True).overlap_allgather is True
     assert LowLevelZeroPlugin().overlap_allgather is False
+    assert HybridParallelPlugin(tp_size=2, zero_stage=1, overlap_allgather=True).overlap_allgather
     assert _infos(caplog) == []

@@ -36,7 +36,8 @@ NATIVE = {
         "sequence_parallelism_mode max_norm custom_policy use_fp8 fp8_communication fp8_config",
         "comm_config cpu_offload fp8_reduce_scatter fused_lm_loss fused_norm gradient_checkpoint_config "
         "growth_interval initial_scale microbatch_size num_layers_per_stage num_microbatches "
-        "num_model_chunks overlap_communication pp_style reduce_bucket_size_in_m sp_size"),
+        "num_model_chunks overlap_allgather overlap_communication pp_style "
+        "reduce_bucket_size_in_m sp_size"),
     "MoeHybridParallelPlugin": (
         "tp_size pp_size ep_size precision zero_stage",
         "comm_config cpu_offload custom_policy fp8_communication fp8_config fp8_reduce_scatter "

@@ -24,8 +24,9 @@ kernel's host-side TMA descriptors; tracing the launch with dynamo works.)
 
 Where :func:`scaled_mm_direct` decides (cuBLAS or the run-time op), the decision is not an
 argument of the op in dynamo's graph, so inductor's caches (AOT and FX graph, in memory and on
-disk) keep the kernel that the first trace of a graph chose. Both kernels compute the same GEMM; a decisions file re-tuned to another kernel takes effect once
-those caches miss (``torch._inductor.config.force_disable_caches``).
+disk) keep the kernel that the first trace of a graph chose. Both kernels compute the same GEMM;
+a decisions file re-tuned to another kernel takes effect once those caches miss
+(``torch._inductor.config.force_disable_caches``).
 
 Every device other than CUDA gets :func:`ops.scaled_mm`'s reference arithmetic, traced as plain
 torch ops. Eager calls do not come here (:class:`TritonBackend` calls :func:`gemm.mm`).

@@ -111,7 +111,9 @@ def _hybrid_tuning(t: dict, vocab_div: int, inner_ring_size: Optional[int],
          "cache to switch"),
         ("overlap_p2p", t["overlap_p2p"], True,
          "torch.distributed.pipelining issues the stage P2P itself"),
-        ("overlap_allgather", t["overlap_allgather"], False,
+        # HybridParallelPlugin passes overlap_allgather on (fp8boost's own option); the MoE
+        # plugin logs it.
+        ("overlap_allgather", t.get("overlap_allgather", False), False,
          "the ZeRO parameter all-gather runs after the step, not overlapped with the next "
          "forward"),
         ("dp_outside", t["dp_outside"], True,
@@ -136,7 +138,7 @@ TUNING_NAMES = ("enable_all_optimization", "enable_fused_normalization", "enable
                 "enable_jit_fused", "enable_sequence_overlap", "broadcast_buffers",
                 "ddp_bucket_cap_mb", "find_unused_parameters", "check_reduction",
                 "gradient_as_bucket_view", "static_graph", "enable_metadata_cache", "dp_outside",
-                "overlap_p2p", "overlap_allgather")
+                "overlap_p2p")
 
 
 @takes_colossal_args(positional=("tp_size", "pp_size", "precision", "zero_stage",
@@ -157,9 +159,11 @@ class HybridParallelPlugin(plugins.HybridParallelPlugin):
         scheduler_nodes: accepted with ``pp_style="zbv"`` but not replayed: torch's ZBV
             schedule runs (INFO; ``fp8boost.colossal.pipeline.schedule.v_schedule``).
         parallel_output: True (logits stay vocabulary-parallel); False raises with tp_size > 1.
+        overlap_allgather: fp8boost's own option of that name (ZeRO's post-step all-gather
+            overlapped with the next forward; zero_stage 1 or 2, pp_size=1).
         enable_all_optimization, enable_fused_normalization, enable_flash_attention,
             enable_jit_fused, enable_sequence_overlap, enable_metadata_cache, overlap_p2p,
-            overlap_allgather, dp_outside, make_vocab_size_divisible_by, inner_ring_size,
+            dp_outside, make_vocab_size_divisible_by, inner_ring_size,
             broadcast_buffers, ddp_bucket_cap_mb, find_unused_parameters, check_reduction,
             gradient_as_bucket_view, static_graph: Colossal-AI's tuning of its own internals
             (Shardformer kernels, its P2P, DDP): accepted; a non-default value logs once what
@@ -186,7 +190,7 @@ class HybridParallelPlugin(plugins.HybridParallelPlugin):
         reduce_bucket_size_in_m = native["reduce_bucket_size_in_m"]
         native["reduce_bucket_size_in_m"] = zero_bucket(reduce_bucket_size_in_m,
                                                         zero_bucket_size_in_m)
-        super().__init__(**native)
+        super().__init__(overlap_allgather=overlap_allgather, **native)
         self.colossal = hybrid_args(
             tp_size=native["tp_size"], pp_size=native["pp_size"], pp_style=native["pp_style"],
             precision=self.precision, reduce_bucket_size_in_m=reduce_bucket_size_in_m,

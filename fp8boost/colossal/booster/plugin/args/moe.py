@@ -32,7 +32,8 @@ from .hybrid import TUNING_NAMES, hybrid_args, zero_bucket
 
 # The MoE plugin has neither sequence overlap nor a dp_outside switch (moe_args fixes both).
 MOE_TUNING_NAMES = tuple(n for n in TUNING_NAMES if n not in ("enable_sequence_overlap",
-                                                              "dp_outside"))
+                                                              "dp_outside")) + (
+    "overlap_allgather",)  # the hybrid plugin takes it as its own option; here: logged
 
 PLUGIN = "moe_hybrid"  # log keys: colossal-args.moe_hybrid.<argument>
 NOT_IMPLEMENTED = "MoeHybridParallelPlugin runs dp x pp x ep x tp (no sequence parallelism)"
