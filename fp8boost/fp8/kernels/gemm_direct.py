@@ -71,7 +71,8 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
                      bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool,
                      allow_cublas: bool) -> Tensor:
     """``(a @ b.T) * a_inv * b_inv (+ bias)``, the kernel chosen at trace time (CUDA)."""
-    if static_shapes(a, b, bias):
+    static = static_shapes(a, b, bias)
+    if static:
         if a.device.type != "cuda":
             return reference_scaled_mm(a, b, a_inv_scale, b_inv_scale, bias, out_dtype)
         from . import gemm  # lazy: imports triton (absent from some CPU installs)
@@ -96,7 +97,7 @@ def scaled_mm_direct(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Ten
     # descriptors (KeyError in identify_mutated_tensors, then fake tensors in inductor's cache
     # key: measured on the H200, 2026-11-29). The op finds the decision made here in the config
     # cache, so it does not tune again.
-    if not static_shapes(a, b, bias):
+    if not static:
         _state.log_once(
             logging.getLogger("fp8boost.fp8.kernels"), "gemm-compiled-symbolic",
             "fp8boost: a compiled FP8 GEMM has symbolic sizes, so its kernel is chosen at run "
