@@ -12,14 +12,17 @@ checkpoint protocol that ``ZeroOptimizer`` also implements (see ``checkpoint_io/
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from types import MappingProxyType
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fp8boost.parallel.boosted_optimizer import BoostedOptimizer, DirectOptimizerProxy
+from fp8boost.parallel.fsdp.full_state_dict import full_of
 from fp8boost.parallel.zero.sharding import ParamShard, make_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -124,6 +127,32 @@ class ModelWrapper(nn.Module):
                              "call unwrap().get_base_model() for the base model, or "
                              "booster.save_lora_as_pretrained(model, dir) to save the adapters")
         return m
+
+    def state_dict(self, *args, only_rank_0: Optional[bool] = None, **kwargs):
+        """``nn.Module.state_dict``: keys with the wrapper's ``module.`` prefix, a sharding
+        engine's tensors as it holds them (FSDP2: DTensor shards).
+
+        With ``only_rank_0`` (Colossal-AI's ``GeminiDDP.state_dict`` argument) the whole model
+        instead, as ``GeminiDDP`` gives it: the user's model's keys after ``prefix``, every
+        sharded tensor gathered to its full shape (collective: call it on every rank), kept
+        on every rank (False) or on rank 0 only (True: the other ranks get an empty dict).
+
+        Raises:
+            TypeError: ``only_rank_0`` with positional arguments (give ``destination``,
+                ``prefix``, ``keep_vars`` by name).
+        """
+        if only_rank_0 is None:
+            return super().state_dict(*args, **kwargs)
+        if args:
+            raise TypeError("state_dict(only_rank_0=...): give destination, prefix and "
+                            "keep_vars by name")
+        destination = kwargs.pop("destination", None)
+        gathered = {key: full_of(value) for key, value in self.unwrap().state_dict(
+            **kwargs).items()}  # the same gathers in the same order on every rank
+        out = OrderedDict() if destination is None else destination
+        if not (only_rank_0 and dist.is_initialized() and dist.get_rank() != 0):
+            out.update(gathered)
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` (keys as :meth:`state_dict` writes them, with the

@@ -12,6 +12,9 @@ On 2 gloo ranks, for both plugins, with Adam against a one-process torch referen
 * every state tensor of ``state_dict()`` is exactly a ``torch.Tensor`` at its parameter's full
   shape, equal to the gathered DTensor of the torch optimizer's own state and close (1e-6) to
   the reference's moments; both ranks return the same bytes;
+* Colossal-AI's ``GeminiDDP.state_dict(only_rank_0=..., prefix=...)`` and
+  ``GeminiOptimizer.state_dict(only_rank_0=...)`` calls give the whole model under the user's
+  keys (plain tensors) and, with ``only_rank_0=True``, nothing on rank 1;
 * ``load_state_dict`` of it puts DTensor shards back (no communication) and a step redone from
   it is bit-identical; the state loads into a one-process torch Adam too.
 """
@@ -72,6 +75,29 @@ def _check(kind: str, rank: int, world: int) -> bytes:
             assert torch.equal(got, raw[i][key].full_tensor())
             assert (got - ref_state[i][key]).abs().max().item() <= TOL, (kind, i, key)
         assert torch.equal(state["state"][i]["step"], ref_state[i]["step"])
+
+    # Colossal-AI's GeminiDDP / GeminiOptimizer calls (test_gemini_torch_compability.py,
+    # test_plugins_huggingface_compatibility.py): the whole model under the user's keys after
+    # prefix; only_rank_0=True leaves the other ranks empty (each rank still gathers)
+    from fp8boost.parallel.fsdp.full_state_dict import full_of
+    local = {k: full_of(v) for k, v in model.unwrap().state_dict().items()}
+    assert [v.shape for v in local.values()] == [p.shape for p in ref.state_dict().values()]
+    for only_rank_0 in (False, True):
+        whole = model.state_dict(only_rank_0=only_rank_0, prefix="module.module.")
+        if only_rank_0 and rank != 0:
+            assert len(whole) == 0, kind
+            continue
+        assert list(whole) == [f"module.module.{k}" for k in local], kind
+        for key, value in local.items():
+            got = whole[f"module.module.{key}"]
+            assert type(got) is torch.Tensor and torch.equal(got, value), key
+    mine = opt.state_dict(only_rank_0=True)
+    assert mine["param_groups"] == state["param_groups"]
+    if rank:
+        assert mine["state"] == {}
+    else:
+        assert all(torch.equal(mine["state"][i][k], state["state"][i][k])
+                   for i in state["state"] for k in state["state"][i])
 
     # round trip: a step redone from the loaded state is bit-identical
     saved_opt = copy.deepcopy(state)

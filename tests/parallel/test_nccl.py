@@ -1,5 +1,5 @@
-"""NCCL on 2 GPUs (run on the device machine): FP8 collectives, and ZeRO-2 + FP8 + FP8 comm
-against a single-process FP8 run.
+"""NCCL on 2 GPUs (run on the device machine): FP8 collectives, ZeRO-2 + FP8 + FP8 comm
+against a single-process FP8 run, and ZeRO's overlapped all-gather against the finished one.
 
 Error bounds: an FP8 cast errs by at most 2^-4 (e4m3) / 2^-3 (e5m2) of each element's magnitude
 (normal range), plus up to one FP8 subnormal step (x2 for power-of-two scales); the BF16
@@ -103,6 +103,65 @@ def _zero2(rank, world):
 
 def test_zero2_fp8_comm_matches_single_process_on_nccl():
     a, b = run_distributed(_zero2, 2, backend="nccl")
+    assert a == b
+
+
+class _Blocks(torch.nn.Module):
+    """Repeated blocks (what compile_blocks compiles, where overlap_allgather hooks) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 256)) for _ in range(3))
+        self.head = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _zero2_overlap(rank, world, device_type="cuda"):
+    """overlap_allgather on NCCL (the gather on its own stream, unpacked by the next forward),
+    Triton FP8 GEMMs, FP8 all-gather: losses and parameters equal the gather that step()
+    finishes, bit for bit; with the blocks compiled by inductor (fullgraph) it trains alike
+    (inductor's fusions round differently from eager, so that bound is relative)."""
+    from fp8boost.booster import Booster
+    from fp8boost.compile import compile_blocks
+    from fp8boost.fp8 import Fp8Config
+    from fp8boost.parallel.comm.config import Fp8CommConfig
+    from fp8boost.plugins import LowLevelZeroPlugin
+
+    dev = torch.device(device_type, rank if device_type == "cuda" else None)
+    backend = "auto" if device_type == "cuda" else "emulated"  # CPU: a local check only
+    runs = {}
+    for overlap, compiled in ((False, False), (True, False), (True, True)):
+        torch._dynamo.reset()
+        plugin = LowLevelZeroPlugin(stage=2, use_fp8=True, fp8_communication=True,
+                                    fp8_config=Fp8Config(min_numel=0, backend=backend),
+                                    comm_config=Fp8CommConfig(min_payload_numel=0),
+                                    overlap_allgather=overlap)
+        booster = Booster(plugin=plugin, device=dev)
+        torch.manual_seed(0)  # after the plugin: the same initial weights in every run
+        model = _Blocks()
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        assert (opt._overlap is not None) == overlap
+        if compiled:
+            compile_blocks(model, fullgraph=True)
+        losses = _train(booster, model, opt, rank, world, dev)
+        params = [p.detach().float().cpu() for p in model.state_dict().values()]
+        runs[overlap, compiled] = (losses, params)
+    ref, ovl, comp = runs[False, False], runs[True, False], runs[True, True]
+    assert ovl[0] == ref[0], (ovl[0], ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(ovl[1], ref[1]))
+    assert comp[0][-1] < comp[0][0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(comp[0], ref[0])) < 2e-2, (comp[0], ref[0])
+    return comp[0]
+
+
+def test_zero2_overlapped_allgather_matches_the_finished_one_on_nccl():
+    a, b = run_distributed(_zero2_overlap, 2, backend="nccl")
     assert a == b
 
 

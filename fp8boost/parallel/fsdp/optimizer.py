@@ -150,21 +150,27 @@ class FsdpOptimizer(DirectOptimizerProxy):
         self.forget_guard_verdict()
 
     # ------------------------------------------------------------------------- state dicts
-    def state_dict(self) -> dict:
+    def state_dict(self, only_rank_0: bool = False) -> dict:
         """torch's layout (``state`` by parameter index, ``param_groups``; ``"loss_scaler"``
         under fp16) with every DTensor state gathered into a plain tensor at the parameter's
         full shape, on the device of its shard: what a torch optimizer over the unsharded
         model holds, and what Colossal-AI's scripts compare and ``torch.save``.
 
-        Collective over the shard group: every rank calls it and gets the same tensors (the
-        whole optimizer state on each rank: checkpoints go through ``booster.save_optimizer``,
-        which writes each rank's shards instead).
+        Collective over the shard group: every rank calls it (checkpoints go through
+        ``booster.save_optimizer``, which writes each rank's shards instead).
+
+        Args:
+            only_rank_0: Colossal-AI's ``GeminiOptimizer`` argument (default True there):
+                ranks other than 0 still gather but keep no state (``state`` is empty). The
+                default False gives every rank the whole state.
         """
         out = super().state_dict()
         state = {}
         for index in sorted(out["state"]):  # sorted: the same gathers in the same order on
             entry = out["state"][index]       # every rank
             state[index] = {key: full_of(entry[key]) for key in sorted(entry)}
+        if only_rank_0 and dist.is_initialized() and dist.get_rank() != 0:
+            state = {}
         return {**out, "state": state}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
