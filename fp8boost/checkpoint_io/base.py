@@ -26,7 +26,8 @@ from torch import nn
 from . import coordination as coord
 from .atomic import atomic_save_dir, require
 from .checksums import verify_checksums
-from .formats import MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX
+from .dcp_state import load_into_replicated
+from .formats import DCP_OPTIM_MARKER, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX
 from .model_io import read_model, write_model
 from .optimizer_io import check_optimizer, read_optimizer, write_optimizer
 
@@ -187,6 +188,9 @@ class GeneralCheckpointIO(CheckpointIO):
 
     def load_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
+        if os.path.exists(os.path.join(path, DCP_OPTIM_MARKER)):  # GeminiPlugin/TorchFSDPPlugin's
+            load_into_replicated(optimizer, os.fspath(path), self.group)
+            return
         # Collective: ranks read different shards, so one bad shard must stop every rank here.
         verify_checksums(os.fspath(path), self.group)
         read_optimizer(optimizer, os.fspath(path), self.group)

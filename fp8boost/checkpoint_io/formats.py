@@ -40,6 +40,7 @@ from __future__ import annotations
 MODEL_INDEX = "model.safetensors.index.json"
 MODEL_SINGLE = "model.safetensors"
 OPTIM_INDEX = "optimizer.index.json"
+DCP_OPTIM_MARKER = "fp8boost_dcp_optimizer.json"  # DCP optimizer dirs (Gemini, TorchFSDP)
 OPTIM_REPLICATED = "optimizer-replicated.safetensors"
 OPTIM_FORMAT = "fp8boost-optimizer-v1"
 CHECKSUM_KEY = "fp8boost_checksums"       # in a directory's JSON index

@@ -165,6 +165,35 @@ def test_zero2_overlapped_allgather_matches_the_finished_one_on_nccl():
     assert a == b
 
 
+def _zero2_offload_clip(rank, world, device_type="cuda"):
+    """cpu_offload with gradient clipping on NCCL, most parameters frozen (a LoRA-like model:
+    a rank may own no trainable chunk): the norm and overflow all-reduces run on the GPU, and
+    it trains as without offload."""
+    from fp8boost.booster import Booster
+    from fp8boost.plugins import LowLevelZeroPlugin
+
+    dev = torch.device(device_type, rank if device_type == "cuda" else None)
+    runs = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = _Blocks()
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith("head."))
+        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, cpu_offload=offload, max_norm=0.5),
+                          device=dev)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-3))
+        runs[offload] = _train(booster, model, opt, rank, world, dev)
+    assert runs[True][-1] < runs[True][0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs[True], runs[False])) < 1e-3, runs
+    return runs[True]
+
+
+def test_zero2_cpu_offload_with_clipping_on_nccl():
+    a, b = run_distributed(_zero2_offload_clip, 2, backend="nccl")
+    assert a == b
+
+
 def _fsdp_plugins(rank, world):
     """Gemini and TorchFSDP with FP8 GEMMs + FP8 all-gather on NCCL against one process."""
     from fp8boost.booster import Booster, MixedPrecision

@@ -299,6 +299,13 @@ class MasterWeightOptimizer(OptimizerProxy):
         return out
 
     def _comm_device(self) -> torch.device:
+        """Where the step's small all-reduces (overflow flag, gradient norm) run. Under NCCL the
+        current GPU, also when the gradient chunks live on the CPU (``cpu_offload``) or this
+        rank holds none (frozen parameters): NCCL has no CPU tensors (a LoRA model with
+        ``cpu_offload=True`` and ``max_norm`` failed there: Colossal-AI's
+        test_low_level_zero_checkpoint_io.py on 2xH200)."""
+        if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+            return torch.device("cuda", torch.cuda.current_device())
         for g in self._grad_shards:
             if g is not None:
                 return g.device
@@ -314,6 +321,7 @@ class MasterWeightOptimizer(OptimizerProxy):
             local = (torch.stack([g.abs().max().float() for g, _ in pairs]).max() if inf else
                      torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
                                   ** norm_type * w for g, w in pairs]).sum())
+        local = local.to(self._comm_device())  # offloaded chunks: their norm is on the CPU
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         for group in self._norm_groups():
             dist.all_reduce(local, op=op, group=group)
