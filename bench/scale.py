@@ -121,6 +121,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="tp/pp configs: sequences per replica (default batch-size x tp x pp)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pp configs: micro-batches per step (default: one sequence each)")
+    p.add_argument("--pp-style", default="1f1b", choices=("1f1b", "interleaved", "zbv"),
+                   help="ppN configs: the pipeline schedule")
+    p.add_argument("--pp-chunks", type=int, default=None,
+                   help="ppN configs: model chunks per rank (default 1 for 1f1b, else 2)")
     p.add_argument("--seq-len", type=int, default=None, help="default 4096 (256 for small presets)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
@@ -240,6 +244,11 @@ def model_info(args: argparse.Namespace) -> dict[str, Any]:
                                                       cfg.hidden_size, args.seq_len))
 
 
+def pp_chunks(args) -> int:
+    """Model chunks per pipeline rank: ``--pp-chunks``, else 1 for 1f1b and 2 otherwise."""
+    return args.pp_chunks or (1 if args.pp_style == "1f1b" else 2)
+
+
 def setup_pipeline(model, lay: dict[str, Any], args, device, replica_batch: int):
     """HybridParallelPlugin(pp_size, num_microbatches, zero_stage=1); a step via
     ``booster.execute_pipeline``. Raises NotImplementedError where pp is not implemented."""
@@ -249,7 +258,8 @@ def setup_pipeline(model, lay: dict[str, Any], args, device, replica_batch: int)
     fp8_cfg = train.fp8_config_of(args) if lay["variant"] != "bf16" else None
     plugin = HybridParallelPlugin(
         tp_size=lay["tp"], pp_size=lay["pp"], zero_stage=1, precision="bf16",
-        num_microbatches=args.microbatches or replica_batch,
+        num_microbatches=args.microbatches or replica_batch, pp_style=args.pp_style,
+        num_model_chunks=pp_chunks(args),
         use_fp8=lay["variant"] != "bf16", fp8_communication=lay["variant"] == "fp8_comm",
         reduce_bucket_size_in_m=args.bucket_m, fp8_config=fp8_cfg,
         fused_lm_loss=train.fused_lm_loss_setting(args.fused_lm_loss))
@@ -429,6 +439,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
             benchmark="scale_throughput", issue=15, command=train.command_line(world_size), **env,
             model=info, batch_size=args.batch_size, replica_batch=args.replica_batch,
             seq_len=args.seq_len, microbatches=args.microbatches, zero_bucket_m=args.bucket_m,
+            pp_style=args.pp_style, pp_chunks=pp_chunks(args),
             fp8_min_numel=args.fp8_min_numel, fp8_options=args.fp8_options,
             fused_lm_loss=args.fused_lm_loss, warmup=args.warmup, steps=args.steps,
             compile=args.compile, activation_checkpointing=args.activation_checkpointing,
@@ -462,7 +473,8 @@ def child_argv(args: argparse.Namespace, config: str, output: str) -> list[str]:
     argv = train.child_argv_for(args, config, output,
                                 ("build_dtype", "layers", "replica_batch", "microbatches",
                                  "fp8_min_numel", "bucket_m", "peak_tflops", "profile_steps",
-                                 "profile_trace", "fp8_options", "fused_lm_loss"),
+                                 "profile_trace", "fp8_options", "fused_lm_loss", "pp_style",
+                                 "pp_chunks"),
                                 ("activation_checkpointing", "profile_cpu"))
     return argv + (["--compile"] if args.compile and config != "fsdp2_bf16_eager" else [])
 
