@@ -68,5 +68,23 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: Optiona
         cfg.accumulated_recompile_limit = limit
     cfg.fail_on_recompile_limit_hit = True
     for block in blocks:
-        block.compile(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        _compile_block(block, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
     return len(blocks)
+
+
+def _compile_block(block: nn.Module, **options) -> None:
+    """``block.compile(**options)``; a block whose class is torch's own (``nn.Sequential`` and
+    the other containers) gets its ``forward`` compiled through a frame of ours instead: dynamo
+    does not trace a frame of ``torch.nn``'s files at the top, only inlined (torch 2.13:
+    ``fullgraph=True`` raised "found no compiled frames"; without it each FP8 layer compiled as
+    a graph of its own and the rest ran eager). Its hooks stay outside the graph, as with
+    ``Module.compile`` (whose ``_call_impl`` frame dynamo skips the same way)."""
+    if not type(block).__module__.startswith("torch.nn."):
+        block.compile(**options)
+        return
+    forward = block.forward
+
+    def block_forward(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    block.forward = torch.compile(block_forward, **options)

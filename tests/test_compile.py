@@ -94,3 +94,41 @@ def test_a_block_falling_back_to_eager_raises(dynamo_defaults):
 def test_no_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
         compile_blocks(torch.nn.Linear(4, 4), backend="eager")
+
+
+class _Stack(torch.nn.Module):
+    """Blocks that are torch's own ``nn.Sequential`` (not a class of the user's or of HF)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(3))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_torch_container_blocks_compile_whole(dynamo_defaults, fp8):
+    """dynamo does not trace a frame of torch.nn's files at the top: on torch 2.13
+    ``nn.Sequential.compile(fullgraph=True)`` raised "found no compiled frames", and without
+    fullgraph only the FP8 layers compiled (the GELU ran eager). compile_blocks enters such a
+    block through a frame of its own, so each block is one graph: both Linears and the GELU."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    model = _Stack()
+    if fp8:
+        convert_to_fp8(model, Fp8Config(backend="emulated", min_numel=0))
+    assert compile_blocks(model, backend=record, fullgraph=True) == 3
+    want = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(1)))
+    want.sum().backward()
+    assert graphs and all(any("gelu" in t for t in g) for g in graphs), graphs
+    assert len(graphs) <= 2, len(graphs)  # one graph for every block (a recompile at most)
