@@ -21,7 +21,6 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,9 +38,9 @@ from .atomic import atomic_save_dir
 from .base import CheckpointIO
 from .checksums import verify_checksums
 from .dcp_state import (OPTIM_FORMAT, OPTIM_MARKER, dcp_load, first_failure, lenient,
-                        load_wrapper_state, match_saved_state, optimizer_marker, param_names,
-                        plain, prepared_optimizer_state, quiet_single_process, raw_optimizer,
-                        wrapper_state)
+                        load_keyed_state, load_wrapper_state, match_saved_state,
+                        optimizer_marker, param_names, pg_args, plain, prepared_optimizer_state,
+                        quiet_single_process, raw_optimizer, wrapper_state)
 from .formats import MODEL_INDEX, MODEL_SINGLE
 
 STATE_DIR = "dcp"            # the DCP files of save_checkpoint, beside base.STATE_MARKER
@@ -129,12 +128,7 @@ class DTensorCheckpointIO(CheckpointIO):
         marker = optimizer_marker(path)
         verify_checksums(path, self.group)  # every rank raises alike, before DCP reads
         module, _ = self._optimizer_model(optimizer, marker["keys"])
-        raw = raw_optimizer(optimizer)
-        state = {"optim": prepared_optimizer_state(module, raw)}
-        match_saved_state(state, path)
-        self._dcp_load(state, path)
-        set_optimizer_state_dict(module, raw, state["optim"], options=lenient())
-        load_wrapper_state(optimizer, marker)
+        load_keyed_state(optimizer, module, marker, path, self.group)
 
     def _optimizer_model(self, optimizer, keys: Optional[str]) -> tuple[nn.Module, str]:
         """The module whose parameter names key the state: the optimizer's model (FQN keys,
@@ -170,7 +164,7 @@ class DTensorCheckpointIO(CheckpointIO):
         if optimizer is not None:
             state["optim"] = prepared_optimizer_state(module, raw_optimizer(optimizer))
         match_saved_state(state, os.path.join(path, STATE_DIR))
-        self._dcp_load(state, os.path.join(path, STATE_DIR))
+        dcp_load(state, os.path.join(path, STATE_DIR), self.group)
         set_model_state_dict(module, state["model"])  # strict: every key
         if optimizer is not None:
             set_optimizer_state_dict(module, raw_optimizer(optimizer), state["optim"],
@@ -182,22 +176,13 @@ class DTensorCheckpointIO(CheckpointIO):
         _after_load(module)
 
     # --------------------------------------------------------------------------- DCP
-    def _pg(self) -> dict:
-        # Without a process group DCP runs in this one process.
-        if dist.is_initialized():
-            return {"process_group": self.group}
-        return {"no_dist": True}
-
     def _dcp_save(self, state: dict, directory: str) -> None:
         try:
             with quiet_single_process():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), **self._pg())
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), **pg_args(self.group))
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
             raise RuntimeError(f"writing the DCP checkpoint failed on ranks "
                                f"{sorted(exc.failures)}: {first_failure(exc)}") from exc
-
-    def _dcp_load(self, state: dict, directory: str) -> None:
-        dcp_load(state, directory, self.group)
 
 
 def _after_load(module: nn.Module) -> None:

@@ -112,7 +112,14 @@ def load_into_replicated(optimizer, path: str, group) -> None:
                                         f"{len(names)} parameters saved, this optimizer has "
                                         f"{len(params)}: same model and param groups needed"))
     verify_checksums(path, group)  # every rank raises alike, before DCP reads
-    module = _Named(names, params)
+    load_keyed_state(optimizer, _Named(names, params), marker, path, group)
+
+
+def load_keyed_state(optimizer, module: nn.Module, marker: dict, path: str, group) -> None:
+    """Load the DCP optimizer directory ``path`` into ``optimizer``, its state keyed by the
+    parameter names of ``module`` (which holds the optimizer's parameters), then the wrapper's
+    own state from ``marker``."""
+    raw = raw_optimizer(optimizer)
     state = {"optim": prepared_optimizer_state(module, raw)}
     match_saved_state(state, path)
     dcp_load(state, path, group)
@@ -144,13 +151,17 @@ def param_names(module: nn.Module, raw: torch.optim.Optimizer) -> list[str]:
             enumerate(p for g in raw.param_groups for p in g["params"])]
 
 
+def pg_args(group) -> dict:
+    """DCP's process-group arguments: ``group``, or one process without a process group."""
+    return {"process_group": group} if dist.is_initialized() else {"no_dist": True}
+
+
 def dcp_load(state: dict, directory: str, group) -> None:
     if not os.path.exists(os.path.join(directory, ".metadata")):
         raise FileNotFoundError(f"no DCP checkpoint at {directory} (missing .metadata)")
-    pg = {"process_group": group} if dist.is_initialized() else {"no_dist": True}
     try:
         with quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(directory), **pg)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory), **pg_args(group))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - name the checkpoint
         why = first_failure(exc) if isinstance(exc, CheckpointException) else exc
         raise RuntimeError(f"cannot load the DCP checkpoint {directory} into this "
