@@ -2,8 +2,8 @@
 
 Reads the example's ``metrics.jsonl`` files (``python bench/suite.py convergence-2gpu`` writes them as
 ``convergence_<plugin>_<run>.jsonl``), draws validation loss (markers) and smoothed train loss
-(thin lines) per run, and prints, per plugin, each run's final validation loss, its gap to the
-BF16 run of the same plugin, the tokens seen and whether any loss was non-finite. The issue-12
+(thin lines) per run, and prints, per plugin, each run's last validation loss, its gap to the
+BF16 run of the same plugin at that step (``bf16`` or ``bf16_<tag>``), the tokens seen and whether any loss was non-finite. The issue-12
 target: tensorwise FP8 within 0.5% of BF16.
 
     python bench/plot_convergence.py bench/results/convergence_*.jsonl \\
@@ -37,17 +37,26 @@ def load(path: Path) -> dict[str, Any]:
                 val_still_falling=len(val) >= 2 and list(val.values())[-1] < list(val.values())[-2])
 
 
+def bf16_base(runs: list[dict[str, Any]], plugin: str) -> dict[str, Any] | None:
+    """The plugin's BF16 run: named ``bf16`` or ``bf16_<tag>`` (``bf16_h200x2_<date>``), the
+    shortest such name where there are several."""
+    found = [b for b in runs if b["plugin"] == plugin and b["run"].split("_")[0] == "bf16"]
+    return min(found, key=lambda b: len(b["run"])) if found else None
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run: its last validation loss and its gap to the BF16 run's validation loss at the
+    same step (a run stopped early is compared where it stopped, not with BF16's end)."""
     rows = []
     for r in runs:
-        base = next((b for b in runs if b["plugin"] == r["plugin"] and b["run"] == "bf16"), None)
-        gap = None
-        if base and base["final_val"] and r["final_val"] is not None:
-            gap = (r["final_val"] - base["final_val"]) / base["final_val"]
+        base = bf16_base(runs, r["plugin"])
+        step = list(r["val"])[-1] if r["val"] else None
+        ref = base["val"].get(step) if base and step is not None else None
+        gap = None if not ref or r["final_val"] is None else (r["final_val"] - ref) / ref
         row = {k: r[k] for k in ("plugin", "run", "final_val", "tokens", "finite",
                                  "val_still_falling")}
-        row["gap_vs_bf16"] = gap
-        if r["run"] == "fp8_tensorwise" and gap is not None:
+        row["step"], row["gap_vs_bf16"] = step, gap
+        if r["run"].startswith("fp8_tensorwise") and gap is not None:
             row["target_met"] = abs(gap) <= TARGET_GAP
         rows.append(row)
     return rows
@@ -90,12 +99,12 @@ def main(argv=None) -> int:
     plot(runs, args.png, args.title)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.png}\n| plugin | run | final val loss | vs BF16 | tokens | finite | "
-          f"val still falling |\n|---|---|---|---|---|---|---|")
+    print(f"wrote {args.png}\n| plugin | run | step | last val loss | vs BF16 at that step | "
+          f"tokens | finite | val still falling |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         gap = "-" if r["gap_vs_bf16"] is None else f"{100 * r['gap_vs_bf16']:+.2f}%"
         val = "-" if r["final_val"] is None else f"{r['final_val']:.4f}"
-        print(f"| {r['plugin']} | {r['run']} | {val} | {gap} | {r['tokens']:,} | "
+        print(f"| {r['plugin']} | {r['run']} | {r['step']} | {val} | {gap} | {r['tokens']:,} | "
               f"{r['finite']} | {r['val_still_falling']} |")
     return 0
 

@@ -15,6 +15,8 @@ On 2 gloo ranks, for both plugins, with Adam against a one-process torch referen
 * Colossal-AI's ``GeminiDDP.state_dict(only_rank_0=..., prefix=...)`` and
   ``GeminiOptimizer.state_dict(only_rank_0=...)`` calls give the whole model under the user's
   keys (plain tensors) and, with ``only_rank_0=True``, nothing on rank 1;
+* under fp16, ``state_dict()`` also holds ``"loss_scaler"`` (its load restores the scale);
+  Colossal-AI's call, with ``only_rank_0`` given, holds its two keys only;
 * ``load_state_dict`` of it puts DTensor shards back (no communication) and a step redone from
   it is bit-identical; the state loads into a one-process torch Adam too.
 """
@@ -120,7 +122,34 @@ def _check(kind: str, rank: int, world: int) -> bytes:
     return buf.getvalue()
 
 
+def _fp16_keys(rank: int, world: int) -> None:
+    """Under fp16 torch's call keeps the loss scale; Colossal-AI's call (``only_rank_0`` given)
+    has its two keys only, as ``test_gemini_torch_compability.py`` compares with torch Adam's."""
+    from fp8boost.colossal.booster import Booster
+    from fp8boost.colossal.booster.plugin import GeminiPlugin
+
+    booster = Booster(plugin=GeminiPlugin(precision="fp16", initial_scale=2 ** 14))
+    model = H.make_mlp()
+    model, opt, *_ = booster.boost(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    _backward(booster, model, opt, 0, rank, world)
+    opt.step(), opt.zero_grad()
+    mine = opt.state_dict()
+    assert sorted(mine) == ["loss_scaler", "param_groups", "state"], sorted(mine)
+    assert mine["loss_scaler"]["scale"] == 2 ** 14, mine["loss_scaler"]
+    for only_rank_0 in (False, True):
+        colossal = opt.state_dict(only_rank_0=only_rank_0)
+        assert sorted(colossal) == ["param_groups", "state"], sorted(colossal)
+        assert colossal["param_groups"] == mine["param_groups"]
+        assert len(colossal["state"]) == (0 if only_rank_0 and rank else len(mine["state"]))
+    scaler = opt.loss_scaler
+    scaler.update(True)  # an overflow halves the scale; torch's load puts it back
+    assert scaler.state_dict()["scale"] == 2 ** 13
+    opt.load_state_dict(mine)
+    assert scaler.state_dict()["scale"] == 2 ** 14
+
+
 def _run(rank: int, world: int) -> list[bytes]:
+    _fp16_keys(rank, world)
     return [_check(kind, rank, world) for kind in ("torchfsdp", "gemini")]
 
 

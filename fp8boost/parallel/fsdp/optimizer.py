@@ -150,7 +150,7 @@ class FsdpOptimizer(DirectOptimizerProxy):
         self.forget_guard_verdict()
 
     # ------------------------------------------------------------------------- state dicts
-    def state_dict(self, only_rank_0: bool = False) -> dict:
+    def state_dict(self, only_rank_0: Optional[bool] = None) -> dict:
         """torch's layout (``state`` by parameter index, ``param_groups``; ``"loss_scaler"``
         under fp16) with every DTensor state gathered into a plain tensor at the parameter's
         full shape, on the device of its shard: what a torch optimizer over the unsharded
@@ -161,10 +161,16 @@ class FsdpOptimizer(DirectOptimizerProxy):
 
         Args:
             only_rank_0: Colossal-AI's ``GeminiOptimizer`` argument (default True there):
-                ranks other than 0 still gather but keep no state (``state`` is empty). The
-                default False gives every rank the whole state.
+                ranks other than 0 still gather but keep no state (``state`` is empty); False
+                gives every rank the whole state. Given either way, the dict has Colossal-AI's
+                two keys only, as its ``GeminiOptimizer.state_dict`` returns (its tests compare
+                the key count with a torch optimizer's); left out (torch's call), every rank
+                gets the whole state and, under fp16, ``"loss_scaler"`` too, so that
+                ``load_state_dict`` restores the scale.
         """
         out = super().state_dict()
+        if only_rank_0 is not None:
+            out = {"state": out["state"], "param_groups": out["param_groups"]}
         state = {}
         for index in sorted(out["state"]):  # sorted: the same gathers in the same order on
             entry = out["state"][index]       # every rank
