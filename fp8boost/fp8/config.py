@@ -143,7 +143,9 @@ class Fp8Config:
     cache_weight_cast: bool = True
     """Reuse the weight's FP8 cast while the weight is unchanged, from its second forward on
     (micro-batches, gradient accumulation, recomputation). A weight read once per optimizer
-    step is cast each time and nothing is kept (the cache would only pin memory). Rowwise and
+    step is cast each time and nothing is kept (the cache would only pin memory). Compiled
+    layers cannot read the cache; a pipeline schedule casts their weights once per step instead
+    (``fp8boost.fp8.cast_once``), which this switch turns off too. Rowwise and
     blockwise: a frozen weight's (LoRA base) two operands are kept across steps; a trained
     weight is cast in every forward (no micro-batch cache yet)."""
 

@@ -12,6 +12,10 @@ gradient by the micro-batch count once (``scale_grads=False`` in torch: its per-
 would divide a weight shared by two local stages twice, e.g. tied embeddings in a V), so a
 criterion that averages over its micro-batch gives the gradient of the batch mean.
 
+FP8 weights: with several micro-batches, each stage's tensorwise FP8 weights are cast once per
+step, before the schedule, and their casts used by every micro-batch's forward and backward,
+compiled blocks included (``fp8boost.fp8.cast_once``); they are dropped when the schedule ends.
+
 Criterion: on the last stage, per micro-batch, ``criterion(outputs, inputs)`` gets the HF
 output ``make_outputs(logits, inputs)`` builds (``split.CausalLMOutputs``: ``loss`` with labels,
 ``logits``) and the micro-batch's dict of inputs, and must return that micro-batch's scalar
@@ -21,12 +25,15 @@ count as above.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
+
+from fp8boost.fp8.cast_once import weights_cast_once
 
 from .layout import PipelineLayout
 from .split import DecoderStage
@@ -181,8 +188,12 @@ class PipelineRunner:
                 return self._forward_only(args, kwargs, target, n, return_outputs)
             finally:
                 self._call = {}
+        # Several micro-batches run each stage with the same weights: cast each FP8 weight
+        # once for all of them (compiled blocks would cast it in every forward and backward).
+        cast_once = weights_cast_once(self.modules) if n > 1 else contextlib.nullcontext()
         try:
-            out = sched.step(*args, target=target, return_outputs=return_outputs, **kwargs)
+            with cast_once:
+                out = sched.step(*args, target=target, return_outputs=return_outputs, **kwargs)
             losses = self._call["losses"]
         finally:
             self._call = {}
