@@ -157,7 +157,8 @@ PIPELINE_2GPU = Suite(
     "pp2 (1F1B) BF16/FP8/FP8 stage boundaries compiled, ZeRO-2 fused direct path, NCCL/GPU tests",
     gpus="2", time="~9 min", env=ENV, args=(("part", "all"),),
     usage="parts: bench (pp2, bench/scale.py) | zero (ZeRO-2 FP8 vs FP8 + FP8 comm) | tests "
-          "(pipeline, hybrid, ZeRO, HF Trainer, accelerate FSDP2) | all",
+          "(pipeline, hybrid, ZeRO, HF Trainer, accelerate FSDP2) | schedules (pp2 BF16 and "
+          "FP8, 1f1b and interleaved, 8 micro-batches) | all",
     parts={
         "bench": (Step(f"python3 bench/scale.py {M7B8L} --compile --config-timeout 120 "
                        "--configs pp2_bf16,pp2_fp8,pp2_fp8_comm --output "
@@ -170,6 +171,14 @@ PIPELINE_2GPU = Suite(
         "tests": (Step('python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" '
                        "tests/parallel/test_nccl.py tests/test_new_user_hf_tools.py",
                        timeout=150, tail=15),),
+        # issue 36 item 3: the schedules a user would pick, 8 one-sequence micro-batches
+        "schedules": tuple(
+            Step(f"python3 bench/scale.py {M7B8L.replace('--batch-size 2', '--batch-size 4')} "
+                 "--compile --config-timeout 120 "
+                 f"--configs pp2_bf16,pp2_fp8 --pp-style {style} --output "
+                 f"{{OUT}}/pipeline_2gpu_{style}_mb8_compiled.json", timeout=280,
+                 keep=PIPE_KEEP, tail=8)
+            for style in ("1f1b", "interleaved")),
         "all": ("bench", "zero", "tests"),
     })
 
