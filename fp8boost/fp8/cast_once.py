@@ -86,6 +86,7 @@ def weights_cast_once(modules: Iterable[nn.Module]) -> Iterator[int]:
     try:
         with torch.no_grad():
             for layer in layers:
+                layer.resolve_backend(layer.weight.device)  # "auto" picks it at first use
                 src = layer.operands
                 op = src.weight_operand(layer.weight, with_transpose=True)
                 layer.set_prequantized_weight(op.data, op.inv_scale)

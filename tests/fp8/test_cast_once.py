@@ -9,6 +9,7 @@
   to compiled training without it over two steps; inside, the compiled forward uses the
   operand cast at entry (a ``.data`` write is not seen there); after exit a compiled forward
   matches the eager layer with the stepped weight.
+* A layer whose backend is not picked yet (``backend="auto"`` before its first forward).
 * Layers it must leave alone: delayed scaling, rowwise, a frozen weight,
   ``cache_weight_cast=False``, and an operand another producer set (kept after exit).
 """
@@ -133,6 +134,16 @@ def test_compiled_bit_identical_and_fresh_after_exit():
         once[0].weight.data.mul_(0.5)
         assert torch.equal(f_once(x), before)
     assert not torch.equal(f_once(x), before)
+
+
+def test_backend_not_picked_yet():
+    """Under the default ``backend="auto"`` a CPU layer picks its backend at its first forward
+    (the model may still move); the block picks it before casting (a pipeline step's first
+    forward runs inside it)."""
+    once, plain = _mlp(Fp8Config()), _mlp(Fp8Config())
+    assert once[0].casts.backend is None
+    got, want = _train(once, once, True, steps=1), _train(plain, plain, False, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("case", ["delayed", "rowwise", "frozen", "uncached", "other producer"])
