@@ -8,7 +8,9 @@ Gemini optimizer's gathered state (``state_dict()``: full tensors by parameter i
 step from it on the same weights gives the same parameters as the Gemini run's next step
 (rel 1e-6: the gradient all-reduce and reduce-scatter sum in different orders). A ZeRO
 optimizer (flat master shards) refuses the directory with a ValueError naming the plugins that
-read it; so does an optimizer with another parameter count.
+read it; so does an optimizer with another parameter count. Then Colossal-AI's own check of
+that file under fp16 (``fp8boost.colossal``, ``check_state_dict_equal`` of the two optimizers'
+``state_dict()``), which failed on 2xH200 on the loss scale's extra key.
 """
 from __future__ import annotations
 
@@ -74,5 +76,33 @@ def _worker(rank: int, world: int, root: str) -> None:
         ddp.load_optimizer(short_opt, path)
 
 
+def _colossal_fp16(rank: int, world: int, root: str) -> None:
+    """Colossal-AI's own check, under its fp16 Gemini: the Gemini optimizer's
+    ``state_dict(only_rank_0=False)`` equals the loaded DDP optimizer's ``state_dict()``, key
+    count included (fp16's loss scale is not in Colossal-AI's two keys)."""
+    from fp8boost.colossal.booster import Booster
+    from fp8boost.colossal.booster.plugin import GeminiPlugin, TorchDDPPlugin
+    from fp8boost.colossal.testing import check_state_dict_equal
+
+    gemini = Booster(plugin=GeminiPlugin(precision="fp16", initial_scale=2 ** 14))
+    model = H.make_mlp()
+    model, opt, *_ = gemini.boost(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    _backward(gemini, model, opt, 0, rank, world)
+    opt.step(), opt.zero_grad()
+    path = f"{root}/optim16"
+    gemini.save_optimizer(opt, path)
+    ddp = Booster(plugin=TorchDDPPlugin())
+    plain = H.make_mlp()
+    plain, plain_opt, *_ = ddp.boost(plain, torch.optim.Adam(plain.parameters(), lr=1e-3))
+    ddp.load_optimizer(plain_opt, path)
+    check_state_dict_equal(opt.state_dict(only_rank_0=False), plain_opt.state_dict(),
+                           ignore_device=False)
+
+
+def _both(rank: int, world: int, root: str) -> None:
+    _worker(rank, world, root)
+    _colossal_fp16(rank, world, root)
+
+
 def test_gemini_optimizer_checkpoint_loads_into_torch_ddp(tmp_path):
-    run_distributed(_worker, 2, str(tmp_path))
+    run_distributed(_both, 2, str(tmp_path))
