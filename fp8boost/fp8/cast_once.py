@@ -17,9 +17,9 @@ for the step.
 Eligible: a tensorwise ``Fp8Linear`` with current scaling (the operand is the weight's own
 cast, so the result is bit-identical to casting it in each forward) whose weight is a plain,
 whole (not tensor-parallel) tensor that trains, with ``cache_weight_cast`` on and no
-prequantized operand of another producer (ZeRO's FP8 all-gather sets its own). Delayed scaling updates its amax history per
-forward, and the rowwise and blockwise recipes' operands are not a single prequantized weight
-with one scale, so those layers cast as before.
+prequantized operand of another producer (ZeRO's FP8 all-gather sets its own). Delayed
+scaling updates its amax history per forward, and the rowwise and blockwise recipes' operands
+are not a single prequantized weight with one scale, so those layers cast as before.
 """
 from __future__ import annotations
 
