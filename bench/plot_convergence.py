@@ -3,8 +3,8 @@
 Reads the example's ``metrics.jsonl`` files (``python bench/suite.py convergence-2gpu`` writes them as
 ``convergence_<plugin>_<run>.jsonl``), draws validation loss (markers) and smoothed train loss
 (thin lines) per run, and prints, per plugin, each run's last validation loss, its gap to the
-BF16 run of the same plugin at that step (``bf16`` or ``bf16_<tag>``), the tokens seen and whether any loss was non-finite. The issue-12
-target: tensorwise FP8 within 0.5% of BF16.
+BF16 run of the same plugin at that step (``bf16`` or ``bf16_<tag>``), the tokens seen and
+whether any loss was non-finite. The issue-12 target: tensorwise FP8 within 0.5% of BF16.
 
     python bench/plot_convergence.py bench/results/convergence_*.jsonl \\
         --png bench/results/convergence_2gpu.png --json bench/results/convergence_2gpu.json

@@ -179,7 +179,8 @@ class DTensorCheckpointIO(CheckpointIO):
     def _dcp_save(self, state: dict, directory: str) -> None:
         try:
             with quiet_single_process():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), **pg_args(self.group))
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(directory),
+                         **pg_args(self.group))
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
             raise RuntimeError(f"writing the DCP checkpoint failed on ranks "
                                f"{sorted(exc.failures)}: {first_failure(exc)}") from exc

@@ -43,7 +43,7 @@ def _eligible(layer: nn.Module) -> bool:
     w = layer.weight
     # type(w): a plain tensor or Parameter (not FSDP's FP8 carrier or a DTensor); its shape the
     # layer's (a tensor-parallel layer's local shard is not an operand set_prequantized takes)
-    return (cfg.recipe == "tensorwise" and not layer.casts.delayed and cfg.cache_weight_cast
+    return (cfg.recipe == "tensorwise" and cfg.cache_weight_cast  # "delayed" is its own recipe
             and layer.operands.prequantized is None
             and type(w) in (torch.Tensor, nn.Parameter) and tuple(w.shape) == layer.operands.shape
             and w.requires_grad and w.device.type != "meta")

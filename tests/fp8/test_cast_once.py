@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -22,23 +23,11 @@ import torch
 from torch import nn
 
 from fp8boost.fp8 import Fp8Config, Fp8Linear
-from fp8boost.fp8.backends import EmulatedBackend
 from fp8boost.fp8.cast_once import weights_cast_once
+from tests.fp8.test_linear import CountingBackend
 
 EMU = Fp8Config(backend="emulated")
 WEIGHT_SHAPES = [(96, 64), (64, 96)]
-
-
-class CountingBackend(EmulatedBackend):
-    """The emulated backend, recording the shape of every tensor it casts."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def quantize(self, x, dtype, **kw):
-        self.shapes.append(tuple(x.shape))
-        return super().quantize(x, dtype, **kw)
 
 
 def _mlp(cfg: Fp8Config = EMU) -> nn.Sequential:
@@ -63,7 +52,7 @@ def _train(model, forward, cast_once: bool, steps: int = 2) -> list[torch.Tensor
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     outs = []
     for _ in range(steps):
-        ctx = weights_cast_once([model]) if cast_once else _null()
+        ctx = weights_cast_once([model]) if cast_once else contextlib.nullcontext()
         with ctx:
             for x in _batches():
                 y = forward(x)
@@ -72,14 +61,6 @@ def _train(model, forward, cast_once: bool, steps: int = 2) -> list[torch.Tensor
         opt.step()
         opt.zero_grad()
     return outs
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _use(model, backend) -> None:
