@@ -27,7 +27,7 @@ from . import coordination as coord
 from .atomic import atomic_save_dir, require
 from .checksums import verify_checksums
 from .dcp_state import load_into_replicated
-from .formats import DCP_OPTIM_MARKER, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX
+from .formats import DCP_OPTIM_MARKER, MODEL_INDEX, MODEL_SINGLE, OPTIMIZER_MARKERS
 from .model_io import read_model, write_model
 from .optimizer_io import check_optimizer, read_optimizer, write_optimizer
 
@@ -175,7 +175,7 @@ class GeneralCheckpointIO(CheckpointIO):
     def save_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
-                        (OPTIM_INDEX,))
+                        OPTIMIZER_MARKERS)
 
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
         check_optimizer(optimizer)

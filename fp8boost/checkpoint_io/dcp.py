@@ -41,7 +41,7 @@ from .dcp_state import (OPTIM_FORMAT, OPTIM_MARKER, dcp_load, first_failure, len
                         load_keyed_state, load_wrapper_state, match_saved_state,
                         optimizer_marker, param_names, pg_args, plain, prepared_optimizer_state,
                         quiet_single_process, raw_optimizer, wrapper_state)
-from .formats import MODEL_INDEX, MODEL_SINGLE
+from .formats import MODEL_INDEX, MODEL_SINGLE, OPTIMIZER_MARKERS
 
 STATE_DIR = "dcp"            # the DCP files of save_checkpoint, beside base.STATE_MARKER
 STATE_EXTRA = "optimizer_wrapper.json"
@@ -107,7 +107,7 @@ class DTensorCheckpointIO(CheckpointIO):
         """Sharded optimizer state (DCP): every rank writes its own part."""
         raw_optimizer(optimizer)  # fail before any rank writes
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
-                        (OPTIM_MARKER,))
+                        OPTIMIZER_MARKERS)
 
     @sharded_state_dicts()  # DCP reads/writes the shards themselves
     def _write_optimizer_into(self, optimizer, directory: str) -> None:

@@ -41,6 +41,12 @@ MODEL_INDEX = "model.safetensors.index.json"
 MODEL_SINGLE = "model.safetensors"
 OPTIM_INDEX = "optimizer.index.json"
 DCP_OPTIM_MARKER = "fp8boost_dcp_optimizer.json"  # DCP optimizer dirs (Gemini, TorchFSDP)
+HYBRID_OPTIM_MARKER = "fp8boost_hybrid_optimizer.json"  # HybridParallel optimizer dirs
+MOE_OPTIM_INDEX = "moe_optimizer.index.json"  # MoeHybridParallel optimizer dirs
+# An optimizer save may replace an optimizer checkpoint of any plugin: Colossal-AI's tests (and
+# users switching plugins) save a TorchDDP optimizer over a Gemini one at the same path. Any other
+# non-empty directory is refused (``atomic.check_target``), so a save never deletes user files.
+OPTIMIZER_MARKERS = (OPTIM_INDEX, DCP_OPTIM_MARKER, HYBRID_OPTIM_MARKER, MOE_OPTIM_INDEX)
 OPTIM_REPLICATED = "optimizer-replicated.safetensors"
 OPTIM_FORMAT = "fp8boost-optimizer-v1"
 CHECKSUM_KEY = "fp8boost_checksums"       # in a directory's JSON index

@@ -47,7 +47,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import atomic, coordination as coord, hf_sharded as hf
 from .base import STATE_MARKER, CheckpointIO
 from .checksums import verify_checksums
-from .formats import MODEL_INDEX, MODEL_SINGLE
+from .formats import (HYBRID_OPTIM_MARKER as OPTIM_MARKER, MODEL_INDEX, MODEL_SINGLE,
+                      OPTIMIZER_MARKERS)
 from .hybrid_pp import all_keys, local_param_groups, merge_optimizer_index, write_hf_gathered_pp
 from .hybrid_tp import TpLayout
 from .model_io import dedup_state_dict, storage_key
@@ -55,7 +56,6 @@ from .optimizer_io import check_optimizer, jsonable, restore_types
 
 STATE_DIR = "dcp"
 STATE_INDEX = "hybrid_state.json"
-OPTIM_MARKER = "fp8boost_hybrid_optimizer.json"
 
 
 # ------------------------------------------------------------------------------ checks
@@ -366,7 +366,7 @@ class HybridCheckpointIO(CheckpointIO):
         """
         module = self._module_of(optimizer)
         check_optimizer(optimizer)
-        _check_target(path, (OPTIM_MARKER,))
+        _check_target(path, OPTIMIZER_MARKERS)
 
         def write(tmp: str) -> None:
             self._write_state(tmp, module, optimizer, None, with_model=False)
@@ -374,7 +374,7 @@ class HybridCheckpointIO(CheckpointIO):
                 with open(os.path.join(tmp, OPTIM_MARKER), "w") as f:
                     json.dump({"format": self.state_format}, f)
 
-        atomic.atomic_save_dir(path, self.group, write, (OPTIM_MARKER,))
+        atomic.atomic_save_dir(path, self.group, write, OPTIMIZER_MARKERS)
 
     def load_optimizer(self, optimizer, path: str) -> None:
         """Load a ``save_optimizer`` directory (written at any tp x dp x stage)."""

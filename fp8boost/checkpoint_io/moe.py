@@ -57,14 +57,13 @@ from .atomic import atomic_save_dir
 from .base import GeneralCheckpointIO
 from .checksums import verify_checksums
 from .coordination import agreed_read
-from .formats import OPTIM_INDEX, OPTIM_REPLICATED
+from .formats import MOE_OPTIM_INDEX, OPTIM_INDEX, OPTIM_REPLICATED, OPTIMIZER_MARKERS
 from .hybrid import read_hf_sliced, write_hf_gathered
 from .model_io import read_model
 from .optimizer_io import (ShardPieces, check_optimizer, read_index, read_optimizer,
                            restore_types, write_optimizer)
 from .tensor_files import open_checked
 
-MOE_OPTIM_INDEX = "moe_optimizer.index.json"
 MOE_OPTIM_FORMAT = "fp8boost-moe-optimizer-v1"
 
 
@@ -143,7 +142,7 @@ class MoeCheckpointIO(GeneralCheckpointIO):
     def save_optimizer(self, optimizer, path: str) -> None:
         check_optimizer(optimizer)
         atomic_save_dir(path, self.group, lambda tmp: self._write_optimizer_into(optimizer, tmp),
-                        (MOE_OPTIM_INDEX,))
+                        OPTIMIZER_MARKERS)
 
     def _write_optimizer_into(self, optimizer, directory: str) -> None:
         check_optimizer(optimizer)

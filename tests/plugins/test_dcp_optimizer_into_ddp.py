@@ -10,11 +10,13 @@ step from it on the same weights gives the same parameters as the Gemini run's n
 optimizer (flat master shards) refuses the directory with a ValueError naming the plugins that
 read it; so does an optimizer with another parameter count. Then Colossal-AI's own check of
 that file under fp16 (``fp8boost.colossal``, ``check_state_dict_equal`` of the two optimizers'
-``state_dict()``), which failed on 2xH200 on the loss scale's extra key.
+``state_dict()``), which failed on 2xH200 on the loss scale's extra key, and its last line: the
+DDP optimizer saved over the Gemini checkpoint at the same path.
 """
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -97,6 +99,27 @@ def _colossal_fp16(rank: int, world: int, root: str) -> None:
     ddp.load_optimizer(plain_opt, path)
     check_state_dict_equal(opt.state_dict(only_rank_0=False), plain_opt.state_dict(),
                            ignore_device=False)
+    # The file's last line: the DDP optimizer saved over the Gemini one at the same path (it was
+    # refused as "not a checkpoint of this kind" on 2xH200). What is read back is DDP's state.
+    _backward(ddp, plain, plain_opt, 1, rank, world)
+    plain_opt.step(), plain_opt.zero_grad()
+    ddp.save_optimizer(plain_opt, path)
+    again = H.make_mlp()
+    again, again_opt, *_ = ddp.boost(again, torch.optim.Adam(again.parameters(), lr=1e-3))
+    ddp.load_optimizer(again_opt, path)
+    check_state_dict_equal(plain_opt.state_dict(), again_opt.state_dict(), ignore_device=False)
+    # Directories that are no optimizer checkpoint are still never replaced.
+    foreign = f"{root}/foreign"
+    if rank == 0:
+        os.makedirs(foreign)
+        with open(f"{foreign}/notes.txt", "w") as f:
+            f.write("a user's file")
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="not a checkpoint of this kind"):
+        ddp.save_optimizer(plain_opt, foreign)
+    with pytest.raises(ValueError, match="not a checkpoint of this kind"):
+        ddp.save_model(plain, path)  # a model save over an optimizer checkpoint
+    assert os.path.exists(f"{foreign}/notes.txt")
 
 
 def _both(rank: int, world: int, root: str) -> None:
