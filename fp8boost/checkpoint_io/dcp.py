@@ -37,11 +37,12 @@ from . import hf_sharded as hf
 from .atomic import atomic_save_dir
 from .base import CheckpointIO
 from .checksums import verify_checksums
+from .dcp_from_replicated import load_replicated_into_dcp
 from .dcp_state import (OPTIM_FORMAT, OPTIM_MARKER, dcp_load, first_failure, lenient,
                         load_keyed_state, load_wrapper_state, match_saved_state,
                         optimizer_marker, param_names, pg_args, plain, prepared_optimizer_state,
                         quiet_single_process, raw_optimizer, wrapper_state)
-from .formats import MODEL_INDEX, MODEL_SINGLE, OPTIMIZER_MARKERS
+from .formats import MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIMIZER_MARKERS
 
 STATE_DIR = "dcp"            # the DCP files of save_checkpoint, beside base.STATE_MARKER
 STATE_EXTRA = "optimizer_wrapper.json"
@@ -123,8 +124,15 @@ class DTensorCheckpointIO(CheckpointIO):
 
     @sharded_state_dicts()  # DCP reads/writes the shards themselves
     def load_optimizer(self, optimizer, path: str) -> None:
-        """Load a ``save_optimizer`` directory written at any world size (DCP reshards)."""
+        """Load a ``save_optimizer`` directory written at any world size (DCP reshards), or a
+        replicated/ZeRO plugin's optimizer checkpoint (:mod:`.dcp_from_replicated`)."""
         path = os.fspath(path)
+        if (not os.path.exists(os.path.join(path, OPTIM_MARKER))
+                and os.path.exists(os.path.join(path, OPTIM_INDEX))):  # TorchDDP's, ZeRO's
+            verify_checksums(path, self.group)
+            module, _ = self._optimizer_model(optimizer, None)
+            load_replicated_into_dcp(optimizer, module, path, self.group)
+            return
         marker = optimizer_marker(path)
         verify_checksums(path, self.group)  # every rank raises alike, before DCP reads
         module, _ = self._optimizer_model(optimizer, marker["keys"])
