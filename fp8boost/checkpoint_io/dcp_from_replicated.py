@@ -75,8 +75,13 @@ def load_replicated_into_dcp(optimizer, module: nn.Module, path: str, group) -> 
         groups.append({**saved, "params": names[start:end]})
         start = end
     full = StateDictOptions(full_state_dict=True, strict=False)
+    tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in raw.param_groups]
     set_optimizer_state_dict(module, raw, {"state": state, "param_groups": groups},
                              options=full)
+    # torch flattens a full state dict's nested values to distribute it, and its unflatten gives
+    # lists back: Adam's betas must stay a tuple (Colossal-AI's test compares them with ==).
+    for group, keys in zip(raw.param_groups, tuples):
+        group.update({k: tuple(group[k]) for k in keys if isinstance(group.get(k), list)})
     if masters:
         set_model_state_dict(module, masters, options=full)
     load_wrapper_state(optimizer, index.get("extra") or {})

@@ -8,6 +8,8 @@ On 2 gloo ranks, FP32, Adam:
   bit, and one more step from it gives DDP's next weights (rel 1e-6: reduction order).
 - LowLevelZero (stage 2, FP32 master shards) -> Gemini: the same, with the ZeRO checkpoint's
   ``master_param`` pieces loaded into Gemini's weights (exact).
+- The param groups' hyperparameters as saved, types included (Adam's betas a tuple: torch's
+  full-state-dict load turned it into a list, and Colossal-AI's test compares with ==).
 - An optimizer over fewer parameters refuses the directory, naming the counts.
 """
 from __future__ import annotations
@@ -61,6 +63,10 @@ def _into_gemini(kind: str, rank: int, world: int, root: str) -> None:
     other, other_opt, *_ = gemini.boost(other, torch.optim.Adam(other.parameters(), lr=1e-3))
     gemini.load_optimizer(other_opt, path)
     got = other_opt.state_dict()
+    # Colossal-AI's check: these hyperparameters, and the parameters' indices, as saved
+    for saved, loaded in zip(want["param_groups"], got["param_groups"]):
+        for key in ("params", "lr", "betas", "eps", "weight_decay"):
+            assert saved[key] == loaded[key], (kind, key, saved[key], loaded[key])
     assert sorted(got["state"]) == sorted(want["state"])
     for i, entry in want["state"].items():
         for key, value in entry.items():
