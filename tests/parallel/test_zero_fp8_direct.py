@@ -3,7 +3,8 @@
 What is checked (one spawn, many assertions):
 * (a) the bytes each tensorwise layer receives equal ``cast_to_fp8(full_master, scale, e4m3)``
   bit for bit, with ``scale`` from the global amax by the layer's own rule, and the inverse
-  scale is exactly ``1/scale``; the working BF16 weight is decoded from the same bytes;
+  scale is exactly ``1/scale``; the working BF16 weight is decoded from the same bytes; those
+  bytes are the weight's own all-gather output (gathered in place, never copied);
 * (b) the layer's forward/dgrad with those bytes equal a manual FP8 GEMM with the full cast,
   and the layer never quantizes its weight nor fills its weight-cast cache;
 * (c) a write to the weight drops the bytes (warned) and the layer casts its weight itself
@@ -74,6 +75,11 @@ def _check_bytes(model, opt) -> None:
         assert torch.equal(data.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(inv, scale.reciprocal())
         assert torch.equal(layer.weight.detach(), dequantize(q, inv, torch.bfloat16))
+        # No copy out of a bucket: the operand is the weight's own all-gather output, padding
+        # (2 ranks, odd numel or not) past its end.
+        w = opt.fp8_direct.plan().weights[opt.fp8_direct.plan().slot[i]]
+        assert data.data_ptr() == w.wire.data_ptr(), "operand is not the gather buffer"
+        assert w.wire.numel() == 2 * opt.shards[i].chunk >= data.numel()
     assert model[2].prequantized_weight is None  # delayed scaling: regular FP8 gather
 
 

@@ -10,8 +10,9 @@ per step. With it, for every weight consumed by a tensorwise ``Fp8Linear``:
 2. each chunk is cast to e4m3 with its weight's single scale (the layer's own rule:
    ``scale_from_amax`` with the layer's margin and power-of-two setting), so the gathered bytes
    are bit-identical to one cast of the full master weight;
-3. the bytes travel as plain uint8, land in a persistent e4m3 ``[N, K]`` buffer per layer and
-   are handed to the layer (:meth:`Fp8Linear.set_prequantized_weight`) as its weight operand;
+3. the bytes travel as plain uint8, one all-gather per weight, in place: each rank casts into
+   its slot of the weight's persistent buffer, whose e4m3 ``[N, K]`` view is handed to the
+   layer (:meth:`Fp8Linear.set_prequantized_weight`) as its weight operand, with no copy;
 4. the working parameter is still decoded from the same bytes (checkpoints, other consumers and
    the optimizer rely on it), so no extra collective is needed.
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,9 @@ class DirectWeight:
     index: int
     layer: Fp8Linear
     plan: object  # fsdp.gather_plan.GatherPlan (direct=True): FP8 dtype and the layer's scale rule
-    buffer: Optional[torch.Tensor] = None  # persistent FP8 [N, K], allocated on first gather
+    # persistent uint8 [world * chunk]: the weight's all-gather output, allocated on first use
+    wire: Optional[torch.Tensor] = None
+    buffer: Optional[torch.Tensor] = None  # FP8 [N, K]: a view of ``wire`` (padding dropped)
     inv_scale: Optional[torch.Tensor] = None  # FP32 0-dim: ``buffer.float() * inv_scale`` = weight
     # (weight data_ptr, weight version, step epoch) when the operand was last handed to the
     # layer; None: nothing handed over, or the weight was written since (the operand is stale).
@@ -221,18 +224,22 @@ class ZeroDirectPlan:
             self._invs = (scales, aligned_scalars(scales.reciprocal()))
         return self._invs[1][j]
 
-    def receive(self, index: int, param: torch.Tensor, scales: torch.Tensor,
-                fill: Callable[[torch.Tensor], None]) -> None:
-        """Store a gathered weight's bytes, decode the working param, hand both to the layer.
-
-        ``fill(dst)`` writes the weight's ``numel`` gathered bytes (padding dropped) into the
-        flat uint8 ``dst``: straight from the all-gather buffer, no intermediate copy.
-        """
+    def gather_buffers(self, index: int, param: torch.Tensor, chunk: int, world: int,
+                       rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight's all-gather output (uint8 ``[world * chunk]``, persistent) and this rank's
+        slot of it, the in-place input: the gathered bytes land in the layer's FP8 operand
+        (``buffer``, a view) with no copy."""
         w = self.weights[self.slot[index]]
-        if w.buffer is None or w.buffer.device != param.device:
-            w.buffer = torch.empty(param.shape, dtype=w.plan.fp8_dtype, device=param.device)
+        if w.wire is None or w.wire.device != param.device or w.wire.numel() != world * chunk:
+            w.wire = torch.empty(world * chunk, dtype=torch.uint8, device=param.device)
+            w.buffer = w.wire[:param.numel()].view(w.plan.fp8_dtype).view(param.shape)
+        return w.wire, w.wire[rank * chunk:(rank + 1) * chunk]
+
+    def receive(self, index: int, param: torch.Tensor, scales: torch.Tensor) -> None:
+        """Decode a gathered weight's bytes (in ``buffer``, see :meth:`gather_buffers`) into
+        the working param and hand both to the layer."""
+        w = self.weights[self.slot[index]]
         data = w.buffer.view(torch.uint8).view(1, -1)
-        fill(data.view(-1))
         j = self.slot[index]
         inv = self._inverse(j, scales)
         impl = resolve_cast_impl(self.config, param.device)
