@@ -125,6 +125,18 @@ def test_env_knobs_and_arguments_reach_the_commands(tmp_path):
     assert out.returncode != 0 and "bad TOKENIZER" in out.stdout + out.stderr
     out = suite_cli("--dry-run", "moe-4gpu", "ep4_fp8comm_compiled", PRESET="7b-8l")
     assert "--preset 7b-8l" in out.stdout and "--fp8-comm --compile" in out.stdout
+    out = suite_cli("--dry-run", "convergence-2gpu", "gemini", "fp8_tensorwise,fp8_tensorwise_comm",
+                    SIDE_BY_SIDE="1")
+    lines = out.stdout.splitlines()
+    assert "rm -rf /tmp/conv_fp8_tensorwise /tmp/conv_fp8_tensorwise_comm" in lines
+    runs = [ln for ln in lines if "torchrun" in ln]
+    assert len(runs) == 2 and all(ln.startswith("timeout 570 ") and ln.endswith(" &")
+                                  for ln in runs), runs
+    assert runs[1].endswith("--fp8-comm &") and "--plugin gemini" in runs[0]
+    out = suite_cli("--dry-run", "convergence-2gpu", "zero2")
+    assert out.stdout.count("torchrun") == 4 and " &" not in out.stdout
+    out = suite_cli("--dry-run", "convergence-2gpu", "gemini", "fp8_delayed")
+    assert out.returncode != 0 and "unknown run(s) ['fp8_delayed']" in out.stdout + out.stderr
     out = suite_cli("--dry-run", "colossal-gpu", TAG="t1", OUT=str(tmp_path))
     assert f"{tmp_path}/colossal_gpu_t1.log" in out.stdout and "PYTHONPATH=" in out.stdout
 
