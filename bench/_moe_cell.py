@@ -13,6 +13,8 @@ defaults (whatever ``convert_to_fp8`` keeps in BF16 is reported); ``fp8fast_*`` 
 with fast accumulation in the gradient GEMMs too (an ablation); ``fp8hpw_*`` with the experts'
 weight gradient in BF16 (``Fp8Config(expert_wgrad="high_precision")``). ``*_compiled``: each decoder
 block compiled in place (``fp8boost.compile.compile_blocks``), with dynamo's counters as proof.
+A ``_fusedloss`` / ``_fp8head`` suffix trains with fp8boost's fused lm_head + loss, with a BF16 /
+rowwise FP8 head (:data:`HEADS`); without one, HF's own lm_head + loss.
 """
 from __future__ import annotations
 
@@ -45,9 +47,32 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_experts_per_tok=2, batch=2, seq=32, vocab_size=256),
 }
 VOCAB = 32000  # both: the expert blocks are measured, not a 152k-word lm_head
-MODES = ("bf16_eager", "bf16_compiled", "fp8_eager", "fp8_compiled", "fp8default_eager",
-         "fp8default_compiled", "fp8fast_eager", "fp8fast_compiled", "fp8hpw_eager",
-         "fp8hpw_compiled")
+BASE_MODES = ("bf16_eager", "bf16_compiled", "fp8_eager", "fp8_compiled", "fp8default_eager",
+              "fp8default_compiled", "fp8fast_eager", "fp8fast_compiled", "fp8hpw_eager",
+              "fp8hpw_compiled")
+# The lm_head + loss: HF's (no suffix: full FP32 logits), or fp8boost's fused lm_head + loss
+# (what ``booster.boost`` installs for HF causal LMs), with a BF16 (``_fusedloss``) or a rowwise
+# FP8 head (``_fp8head``). A BF16 row with ``_fusedloss`` says what the fused loss gives alone.
+HEADS = ("fusedloss", "fp8head")
+MODES = BASE_MODES + tuple(f"{m}_{h}" for m in BASE_MODES for h in HEADS)
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """``(base mode, head)``: head is ``""`` (HF's loss), ``"fusedloss"`` or ``"fp8head"``.
+
+    Example:
+        >>> split_mode("fp8hpw_compiled_fp8head"), split_mode("bf16_eager")
+        (('fp8hpw_compiled', 'fp8head'), ('bf16_eager', ''))
+    """
+    for head in HEADS:
+        if mode.endswith("_" + head):
+            return mode[:-len(head) - 1], head
+    return mode, ""
+
+
+def is_compiled(mode: str) -> bool:
+    """Whether ``mode`` compiles each decoder block."""
+    return split_mode(mode)[0].endswith("_compiled")
 
 
 def build_model(shape: str, device: torch.device) -> torch.nn.Module:
@@ -116,7 +141,16 @@ def prepare(model: torch.nn.Module, mode: str) -> dict[str, Any]:
                                     bf16_linears=kept, backend=[e.options(
                                         e.gate_up_proj.device).backend for e in experts][:1],
                                     precision=[e.precision for e in experts])
-    if mode.endswith("_compiled"):
+    head = split_mode(mode)[1]
+    if head:
+        from fp8boost.loss import FusedLmLossConfig, install_fused_lm_loss
+
+        config = FusedLmLossConfig(fp8_recipe="rowwise" if head == "fp8head" else None)
+        why = install_fused_lm_loss(model, config)
+        if why is not None:  # a row that claims the fused loss must have it
+            raise RuntimeError(f"{mode}: the fused lm_head + loss was not installed: {why}")
+        info["lm_head"] = dict(loss="fused", fp8_recipe=config.fp8_recipe)
+    if is_compiled(mode):
         from fp8boost.compile import compile_blocks
 
         info["compiled_blocks"] = compile_blocks(model, backend="inductor")
@@ -161,7 +195,7 @@ def run(shape: str, mode: str, warmup: int, steps: int, profile_steps: int,
                   final_loss=losses[-1], warmup_s=sum(times[:warmup]))
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if mode.endswith("_compiled"):
+    if is_compiled(mode):
         from _setup import compile_evidence
 
         result["compile"] = compile_evidence()

@@ -38,7 +38,7 @@ from typing import Any, Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from _moe_cell import MODES, SHAPES  # noqa: E402
+from _moe_cell import MODES, SHAPES, is_compiled  # noqa: E402
 
 DEFAULT_MODES = ["bf16_eager", "bf16_compiled", "fp8_eager", "fp8_compiled"]
 
@@ -77,7 +77,7 @@ def run_cell(shape: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
             return dict(shape=shape, mode=mode, status="failed", tail=proc.stdout[-3000:])
         cell = json.loads(out.read_text())
     cell["status"] = "ok"
-    if mode.endswith("_compiled"):
+    if is_compiled(mode):
         ev = cell.get("compile") or {}
         cell["compile_ok"] = bool(ev.get("unique_graphs")) and not ev.get("graph_breaks")
     return cell

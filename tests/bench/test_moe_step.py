@@ -67,7 +67,8 @@ def test_kernel_classes_follow_the_launching_op(bench_mods):
 def test_tiny_cells_on_cpu(bench_mods, tmp_path):
     out = tmp_path / "moe.json"
     proc = subprocess.run([sys.executable, str(BENCH / "moe_step.py"), "--shapes", "tiny",
-                           "--modes", "bf16_eager,fp8_eager", "--warmup", "1", "--steps", "1",
+                           "--modes", "bf16_eager,fp8_eager_fp8head", "--warmup", "1",
+                           "--steps", "1",
                            "--output", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,7 +81,19 @@ def test_tiny_cells_on_cpu(bench_mods, tmp_path):
     # Same data, same init: the first losses agree to FP8's error, and both are finite.
     assert abs(bf16["losses"][0] - fp8["losses"][0]) < 0.02 * bf16["losses"][0]
     assert bf16["tokens_per_s"] > 0 and fp8["tokens_per_s"] > 0
-    assert "| tiny | fp8_eager |" in proc.stdout
+    # _fp8head: fp8boost's fused lm_head + loss with a rowwise FP8 head (lm_head itself stays
+    # out of layer conversion); HF's loss has none of it
+    assert fp8["lm_head"] == {"loss": "fused", "fp8_recipe": "rowwise"} and "lm_head" not in bf16
+    assert "| tiny | fp8_eager_fp8head |" in proc.stdout
+
+
+def test_mode_names_split_into_precision_compile_and_head(bench_mods):
+    cell = bench_mods.cell
+    assert cell.split_mode("fp8hpw_compiled_fp8head") == ("fp8hpw_compiled", "fp8head")
+    assert cell.split_mode("bf16_compiled_fusedloss") == ("bf16_compiled", "fusedloss")
+    assert cell.split_mode("bf16_compiled") == ("bf16_compiled", "")
+    assert cell.is_compiled("bf16_compiled_fusedloss") and not cell.is_compiled("fp8_eager_fp8head")
+    assert {"bf16_compiled_fusedloss", "fp8hpw_compiled_fp8head"} <= set(cell.MODES)
 
 
 def test_unknown_shape_or_mode_is_refused(bench_mods):
