@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from fp8boost.fp8.linear import weights_loaded
+
 from .coordination import agreed_read
 from .dcp_state import load_wrapper_state, param_names, raw_optimizer
 from .formats import OPTIM_REPLICATED
@@ -84,4 +86,5 @@ def load_replicated_into_dcp(optimizer, module: nn.Module, path: str, group) -> 
         group.update({k: tuple(group[k]) for k in keys if isinstance(group.get(k), list)})
     if masters:
         set_model_state_dict(module, masters, options=full)
+        weights_loaded(module)  # written in place: cached FP8 casts of the old weights are stale
     load_wrapper_state(optimizer, index.get("extra") or {})
