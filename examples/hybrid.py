@@ -16,7 +16,7 @@ Example:
     >>> a = argparse.Namespace(plugin="hybrid", pp=2, pp_style="1f1b", batch_size=8,
     ...                        grad_accum=1, microbatches=None)
     >>> default_microbatches(a)
-    2
+    8
     >>> data_rank(argparse.Namespace(plugin="hybrid", tp=2, pp=2), rank=5, world_size=8)
     1
 """
@@ -35,6 +35,7 @@ import faults
 import presets
 
 PP_STYLES = ("1f1b", "interleaved", "zbv")
+PER_STAGE = 4  # default micro-batches per pipeline stage (default_microbatches)
 # The pipeline split (fp8boost.parallel.pipeline) handles Llama/Mistral/Qwen2-structured LMs.
 PP_FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -55,8 +56,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "chunks per rank)")
     group.add_argument("--microbatches", type=int, default=None,
                        help="--pp > 1: micro-batches per step, dividing the replica's "
-                            "--batch-size x --grad-accum rows (default: the smallest multiple "
-                            "of --pp >= --grad-accum that divides them)")
+                            "--batch-size x --grad-accum rows (default: a multiple of --pp >= "
+                            "--grad-accum that divides them, 4 per stage where the rows allow, "
+                            "else as many as they allow)")
 
 
 def num_chunks(args: argparse.Namespace) -> int:
@@ -65,16 +67,23 @@ def num_chunks(args: argparse.Namespace) -> int:
 
 
 def default_microbatches(args: argparse.Namespace) -> Optional[int]:
-    """``--microbatches`` when not given (pp > 1): the smallest multiple of ``--pp`` that is at
-    least ``--grad-accum`` (so a micro-batch holds at most ``--batch-size`` rows) and divides
-    the step's ``--batch-size x --grad-accum`` rows; None when there is none (or pp == 1)."""
+    """``--microbatches`` when not given (pp > 1): a multiple of ``--pp`` that is at least
+    ``--grad-accum`` (so a micro-batch holds at most ``--batch-size`` rows) and divides the
+    step's ``--batch-size x --grad-accum`` rows. Of those, the smallest giving every stage
+    :data:`PER_STAGE` micro-batches, else the largest; None when there is none (or pp == 1).
+
+    Why: the 1F1B bubble is (pp - 1) / (m + pp - 1) of the step and FP8 does not shrink it. On
+    2xH200 (7B-8L, pp2, BENCHMARKS.md 4e) 8 one-sequence micro-batches ran FP8 at 1.26x BF16;
+    with 2 the bubble alone would be a third of the step.
+    """
     if args.plugin != "hybrid" or args.pp <= 1 or args.batch_size < 1 or args.grad_accum < 1:
         return None
     rows = args.batch_size * args.grad_accum
-    for m in range(args.pp, rows + 1, args.pp):
-        if m >= args.grad_accum and rows % m == 0:
-            return m
-    return None
+    fits = [m for m in range(args.pp, rows + 1, args.pp) if m >= args.grad_accum and rows % m == 0]
+    if not fits:
+        return None
+    enough = [m for m in fits if m >= PER_STAGE * args.pp]
+    return min(enough) if enough else max(fits)
 
 
 def data_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:

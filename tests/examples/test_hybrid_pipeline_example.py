@@ -27,9 +27,11 @@ def _torchrun(args: list[str], timeout: float = 300) -> str:
 def test_hybrid_tp2_pp2_fp8_fp8comm_trains_and_resumes_exactly(tmp_path):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     args = [*FAST, "--seq-len", "128", "--steps", "12", "--plugin", "hybrid", "--tp", "2",
-            "--pp", "2", "--use-fp8", "--fp8-comm"]
+            "--pp", "2", "--use-fp8", "--fp8-comm", "--microbatches", "2"]
     out = _torchrun(args + ["--out-dir", str(run_a), "--save-every", "6"])
-    assert "pp=2,1f1b,microbatches=2" in out  # default: --pp micro-batches of 4 rows
+    # 2 micro-batches of 4 rows (the default would take 8 of 1 row, each activation below the
+    # FP8 boundary's min_numel)
+    assert "pp=2,1f1b,microbatches=2" in out
     assert "pipeline boundary" not in out, out  # the boundary went FP8 (else it says why not)
     losses_a = _losses(run_a)
     assert sorted(losses_a) == list(range(1, 13))

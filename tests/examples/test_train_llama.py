@@ -328,11 +328,18 @@ def test_bad_arguments_raise_before_any_work(ex, argv, match):
 
 
 def test_pipeline_defaults_and_gradient_accumulation_map_onto_micro_batches(ex):
-    """--microbatches defaults to the smallest multiple of --pp >= --grad-accum dividing the
-    step's rows; --grad-accum joins its batches into the pipeline's step batch."""
+    """--microbatches defaults to a multiple of --pp >= --grad-accum dividing the step's rows:
+    the smallest with 4 per stage, else the largest (a small bubble); --grad-accum joins its
+    batches into the pipeline's step batch."""
     hybrid = ["--plugin", "hybrid", "--pp", "2"]
-    for extra, want in (([], 2), (["--grad-accum", "3"], 4), (["--batch-size", "6"], 2), (["--pp", "4"], 4),
-                        (["--pp-style", "zbv", "--batch-size", "4", "--grad-accum", "2"], 2)):
+    for extra, want in (([], 8), (["--grad-accum", "3"], 8), (["--batch-size", "6"], 6),
+                        (["--pp", "4"], 8), (["--batch-size", "16"], 8),
+                        (["--batch-size", "2"], 2), (["--grad-accum", "3", "--batch-size", "1"], None),
+                        (["--pp-style", "zbv", "--batch-size", "4", "--grad-accum", "2"], 8)):
+        if want is None:  # 3 rows: no multiple of --pp 2 divides them
+            args = ex.train.parse_args(hybrid + extra)
+            assert args.microbatches is None, extra
+            continue
         args = ex.train.parse_args(hybrid + extra)
         ex.train.validate_args(args, world_size=4)
         assert args.microbatches == want, extra
