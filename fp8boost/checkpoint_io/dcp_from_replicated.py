@@ -12,10 +12,7 @@ weights: they are loaded into the model, as the replicated loader does.
 """
 from __future__ import annotations
 
-import os
-
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -24,9 +21,8 @@ from fp8boost.fp8.linear import weights_loaded
 
 from .coordination import agreed_read
 from .dcp_state import load_wrapper_state, param_names, raw_optimizer
-from .formats import OPTIM_REPLICATED
-from .optimizer_io import ShardPieces, read_index, restore_types
-from .tensor_files import open_checked
+from .optimizer_io import (ShardPieces, check_saved_sizes, open_replicated, read_index,
+                           replicated_state, restore_types)
 
 MASTER = "master_param"  # a ZeRO optimizer's FP32 weight piece (optimizer_io's format)
 
@@ -43,22 +39,16 @@ def load_replicated_into_dcp(optimizer, module: nn.Module, path: str, group) -> 
     raw = raw_optimizer(optimizer)
     params = [p for g in raw.param_groups for p in g["params"]]
     metas = index["params"]
-    if len(metas) != len(params) or any(m["numel"] != p.numel() for m, p in zip(metas, params)):
-        raise ValueError(f"optimizer checkpoint {path} holds {len(metas)} parameters "
-                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has "
-                         f"{len(params)} {[p.numel() for p in params][:8]}...: same model and "
-                         "param groups needed")
+    check_saved_sizes(path, metas, [p.numel() for p in params])
     names = param_names(module, raw)
     state: dict[str, dict] = {}
     masters: dict[str, torch.Tensor] = {}
 
     def read() -> None:
         pieces = ShardPieces(path, index)
-        rep_file = open_checked(os.path.join(path, OPTIM_REPLICATED),
-                                lambda p: safe_open(p, "pt"))
+        rep_file = open_replicated(path)
         for i, (meta, name) in enumerate(zip(metas, names)):
-            entry = dict(meta["replicated_values"])
-            entry.update({k: rep_file.get_tensor(f"{i}/{k}") for k in meta["replicated_tensors"]})
+            entry = replicated_state(meta, i, rep_file)
             for key in meta["sharded"]:
                 full = pieces.get(i, key, 0, meta["numel"]).view(meta["shape"])
                 if key == MASTER:

@@ -29,7 +29,7 @@ from fp8boost.parallel.fsdp.full_state_dict import local_of
 from . import hf_sharded as hf
 from .atomic import require
 from .checksums import verify_checksums
-from .formats import DCP_OPTIM_MARKER, OPTIM_INDEX
+from .formats import DCP_OPTIM_MARKER
 
 OPTIM_MARKER = DCP_OPTIM_MARKER
 OPTIM_FORMAT = "fp8boost-dcp-optimizer-v1"
@@ -37,11 +37,6 @@ OPTIM_FORMAT = "fp8boost-dcp-optimizer-v1"
 
 def optimizer_marker(path: str) -> dict:
     """The marker of a DCP optimizer directory (its format checked; old formats filled in)."""
-    if not os.path.exists(os.path.join(path, OPTIM_MARKER)) and \
-            os.path.exists(os.path.join(path, OPTIM_INDEX)):
-        raise ValueError(f"{path} is an optimizer checkpoint of a replicated/ZeRO plugin "
-                         f"({OPTIM_INDEX}); this plugin reads DCP optimizer checkpoints "
-                         f"({OPTIM_MARKER})")
     require(path, "DCP optimizer", OPTIM_MARKER)
     with open(os.path.join(path, OPTIM_MARKER)) as f:
         marker = json.load(f)

@@ -47,7 +47,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from fp8boost.parallel.ep import EpExperts, gathered_experts, whole_experts
@@ -57,12 +56,11 @@ from .atomic import atomic_save_dir
 from .base import GeneralCheckpointIO
 from .checksums import verify_checksums
 from .coordination import agreed_read
-from .formats import MOE_OPTIM_INDEX, OPTIM_INDEX, OPTIM_REPLICATED, OPTIMIZER_MARKERS
+from .formats import MOE_OPTIM_INDEX, OPTIM_INDEX, OPTIMIZER_MARKERS
 from .hybrid import read_hf_sliced, write_hf_gathered
 from .model_io import read_model
-from .optimizer_io import (ShardPieces, check_optimizer, read_index, read_optimizer,
-                           restore_types, write_optimizer)
-from .tensor_files import open_checked
+from .optimizer_io import (ShardPieces, check_optimizer, open_replicated, read_index,
+                           read_optimizer, replicated_state, restore_types, write_optimizer)
 
 MOE_OPTIM_FORMAT = "fp8boost-moe-optimizer-v1"
 
@@ -254,14 +252,11 @@ class MoeCheckpointIO(GeneralCheckpointIO):
         sharded, replicated = {}, {}
 
         def read() -> None:
-            rep_file = open_checked(os.path.join(subs[0], OPTIM_REPLICATED),
-                                    lambda p: safe_open(p, "pt"))
+            rep_file = open_replicated(subs[0])
             for i, (meta, s) in enumerate(zip(metas, layout)):
                 get = expert_range if expert[i] else readers[0].get
                 sharded[i] = {k: get(i, k, s.start, s.end) for k in meta["sharded"]}
-                replicated[i] = dict(meta["replicated_values"])
-                replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}")
-                                      for k in meta["replicated_tensors"]})
+                replicated[i] = replicated_state(meta, i, rep_file)
 
         agreed_read(read, self.group, path)  # a bad file stops every rank, with its name
         groups = restore_types(indexes[0]["param_groups"], optimizer.param_groups)

@@ -136,6 +136,27 @@ def read_index(directory: str, what: str = "optimizer", name: str = OPTIM_INDEX,
     return index
 
 
+def check_saved_sizes(directory: str, metas: list[dict], numels: list[int]) -> None:
+    """Raise ``ValueError`` unless the saved parameters (``metas``, the index's ``params``)
+    match this optimizer's parameter sizes ``numels`` one for one."""
+    if len(metas) != len(numels) or any(m["numel"] != n for m, n in zip(metas, numels)):
+        raise ValueError(f"optimizer checkpoint {directory} holds {len(metas)} parameters "
+                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has {len(numels)} "
+                         f"{numels[:8]}...: same model and param groups needed")
+
+
+def open_replicated(directory: str):
+    """The directory's replicated-state file, opened (a bad file raises naming it)."""
+    return open_checked(os.path.join(directory, OPTIM_REPLICATED), lambda p: safe_open(p, "pt"))
+
+
+def replicated_state(meta: dict, i: int, rep_file) -> dict:
+    """Parameter ``i``'s replicated state: its JSON values and its tensors in ``rep_file``."""
+    state = dict(meta["replicated_values"])
+    state.update({k: rep_file.get_tensor(f"{i}/{k}") for k in meta["replicated_tensors"]})
+    return state
+
+
 def read_optimizer(optimizer, directory: str, group=None) -> None:
     """Load optimizer state saved by any world size into this rank's layout.
 
@@ -144,21 +165,15 @@ def read_optimizer(optimizer, directory: str, group=None) -> None:
     index = read_index(directory)
     layout = optimizer.checkpoint_layout()
     metas = index["params"]
-    if len(metas) != len(layout) or any(m["numel"] != s.numel for m, s in zip(metas, layout)):
-        raise ValueError(f"optimizer checkpoint {directory} holds {len(metas)} parameters "
-                         f"{[m['numel'] for m in metas][:8]}..., this optimizer has {len(layout)} "
-                         f"{[s.numel for s in layout][:8]}...: same model and param groups needed")
+    check_saved_sizes(directory, metas, [s.numel for s in layout])
     pieces = ShardPieces(directory, index)
     sharded, replicated = {}, {}
 
     def read() -> None:
-        rep_file = open_checked(os.path.join(directory, OPTIM_REPLICATED),
-                                lambda p: safe_open(p, "pt"))
+        rep_file = open_replicated(directory)
         for i, (meta, s) in enumerate(zip(metas, layout)):
             sharded[i] = {k: pieces.get(i, k, s.start, s.end) for k in meta["sharded"]}
-            replicated[i] = dict(meta["replicated_values"])
-            replicated[i].update({k: rep_file.get_tensor(f"{i}/{k}")
-                                  for k in meta["replicated_tensors"]})
+            replicated[i] = replicated_state(meta, i, rep_file)
 
     # Ranks read different shards: a bad one (in a checkpoint without checksums) must stop
     # every rank here with its name, before load_checkpoint_state's collectives.
